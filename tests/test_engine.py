@@ -1,0 +1,289 @@
+"""Full-engine tests: exactness of the whole loop (prefill, rounds, rollback, commit),
+greedy equality, batch invariance, determinism, stop rules and no recompilation."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.llama import LlamaLM, tiny_config
+from specjax import engine, sampling
+from specjax.proposers import DraftModelProposer, PromptLookupProposer, process_rows, sample_rows
+from tests.engine_law import chi_square, exact_chain_law, histogram
+
+V = 8
+ROWS = 100_000
+ALPHA_SIG = 1e-3  # a correct engine fails a single test with this probability
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22)
+
+
+PROMPT = [1, 5, 2]
+
+
+def _engine_hist(eng, cfg, n, rows=ROWS, chunk=25_000, seed=0):
+    hist = np.zeros(V ** n, np.int64)
+    for start in range(0, rows, chunk):
+        idx = np.arange(start, start + chunk)
+        out = eng.generate([PROMPT] * chunk, seed=seed, row_indices=idx, sampling_params=cfg,
+                           max_new_tokens=n)
+        toks = np.array(out.tokens)
+        assert toks.shape == (chunk, n)
+        hist += histogram(toks, V, n)
+    return hist
+
+
+CASES = {
+    "t1": sampling.SamplingConfig(temperature=1.0),
+    "combined": sampling.SamplingConfig(temperature=0.8, top_k=6, top_p=0.9),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_law_matches_target_chain(target, draft, method, case):
+    k, n = 2, 4  # N >= K+2: at least two rounds, so rollback and re-feeding are exercised
+    cfg = CASES[case]
+    law = exact_chain_law(target, PROMPT, n, cfg)
+    assert abs(law.sum() - 1) < 1e-5
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, k), k, method)
+    hist = _engine_hist(eng, cfg, n)
+    pval, stat = chi_square(hist, law)
+    assert pval > ALPHA_SIG, f"{method}/{case}: chi-square {stat:.1f}, p={pval:.2e}"
+
+
+class _OffByOneRollback(engine.SpeculativeEngine):
+    @staticmethod
+    def _target_cache_lengths(seq_len):
+        return seq_len  # keeps a stale slot: the target reads a KV entry it should not
+
+
+class _DraftWithOtherSettings(DraftModelProposer):
+    """Samples draft tokens at a different temperature than the q it reports."""
+
+    def _draw(self, keys, logits, counts, ctx):
+        lp = process_rows(logits, ctx.params, counts, ctx.use_penalties)
+        hot = ctx.params.replace(temperature=ctx.params.temperature * 2.0)
+        x = sample_rows(keys, process_rows(logits, hot, counts, ctx.use_penalties))
+        return x, lp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", ["rollback_off_by_one", "draft_other_settings"])
+def test_engine_mutants_fail_the_law_test(target, draft, mutant):
+    k, n = 2, 4
+    cfg = CASES["t1"]
+    law = exact_chain_law(target, PROMPT, n, cfg)
+    if mutant == "rollback_off_by_one":
+        eng = _OffByOneRollback(target, DraftModelProposer(draft, k), k, "token")
+    else:
+        eng = engine.SpeculativeEngine(target, _DraftWithOtherSettings(draft, k), k, "token")
+    hist = _engine_hist(eng, cfg, n)
+    pval, stat = chi_square(hist, law)
+    assert pval < 1e-6, f"mutant {mutant} passed the law test (p={pval:.3g}); the test has no power"
+
+
+def test_autoregressive_law_matches(target):
+    n = 3
+    cfg = CASES["combined"]
+    law = exact_chain_law(target, PROMPT, n, cfg)
+    out = engine.generate_autoregressive(target, [PROMPT] * 50_000, seed=3, sampling_params=cfg,
+                                         max_new_tokens=n)
+    pval, stat = chi_square(histogram(out.tokens, V, n), law)
+    assert pval > ALPHA_SIG, f"p={pval:.2e}"
+
+
+# ---------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method", ["greedy", "token", "block"])
+def test_speculative_greedy_equals_autoregressive_greedy(k, method):
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6)
+    prompts = [[3, 9, 27, 17], [5, 1], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6]]
+    cfg = sampling.SamplingConfig(temperature=0.0)
+    ar = engine.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=40)
+    sp = engine.generate(tgt, dft, prompts, k=k, method=method, seed=0, sampling_params=cfg,
+                         max_new_tokens=40)
+    assert sp.tokens == ar.tokens
+    assert all(len(t) == 40 for t in sp.tokens)
+
+
+def test_prompt_lookup_greedy_equals_autoregressive():
+    tgt = LlamaLM.init(tiny_config(vocab_size=16, n_layers=1), seed=7)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
+    cfg = sampling.SamplingConfig(temperature=0.0)
+    ar = engine.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=30)
+    sp = engine.generate(tgt, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
+                         max_new_tokens=30)
+    assert sp.tokens == ar.tokens
+    # greedy text from a small model repeats: lookup must have drafted and been accepted
+    assert sum(s.accepted for s in sp.stats) > 0
+
+
+@pytest.mark.slow
+def test_prompt_lookup_law(target):
+    """A point-mass proposer that sometimes proposes fewer than K tokens is exact too."""
+    k, n = 3, 4
+    cfg = CASES["t1"]
+    law = exact_chain_law(target, PROMPT, n, cfg)
+    eng = engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=V, k=k), k, "token")
+    hist = _engine_hist(eng, cfg, n, rows=50_000)
+    pval, stat = chi_square(hist, law)
+    assert pval > ALPHA_SIG, f"p={pval:.2e}"
+
+
+# ----------------------------------------------------------------- stop rules, stats
+
+
+def test_stop_tokens_and_max_new_tokens_cut_exactly(target, draft):
+    prompts = [[1, 2, 3], [4, 4, 4, 4, 4], [7, 6]]
+    cfg = sampling.SamplingConfig(temperature=1.0)
+    full = engine.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30)
+    stop = full.tokens[0][5]
+    cut = engine.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30,
+                          stop_tokens=[stop])
+    for f, c, s in zip(full.tokens, cut.tokens, cut.finished_by_stop):
+        if stop in f:
+            i = f.index(stop)
+            assert c == f[: i + 1] and s
+        else:
+            assert c == f and not s
+    per_row = engine.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg,
+                              max_new_tokens=[7, 1, 13])
+    assert [len(t) for t in per_row.tokens] == [7, 1, 13]
+    for f, c in zip(full.tokens, per_row.tokens):
+        assert c == f[: len(c)]
+
+
+def test_statistics_are_consistent(target, draft):
+    out = engine.generate(target, draft, [[1, 2, 3]] * 4, k=3, seed=0, max_new_tokens=20)
+    for s, t in zip(out.stats, out.tokens):
+        assert s.emitted == len(t) == 20
+        assert 0 <= s.accepted <= s.drafted == 3 * s.rounds
+        assert s.rounds >= 20 / 4
+        assert 0.0 <= s.mean_alpha <= 1.0
+        assert s.reached_per_position[0] == s.rounds
+        assert abs(s.tokens_per_round - 20 / s.rounds) < 1e-9
+
+
+# ------------------------------------------------- batch invariance and determinism
+
+
+def test_row_output_independent_of_batch(target, draft):
+    cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0])
+    prompts = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1], [2, 2]]
+    batch = engine.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
+                            sampling_params=cfg, max_new_tokens=25)
+    for i in range(3):
+        one = sampling.SamplingParams.create(
+            1, temperature=[float(cfg.temperature[i])], top_p=[float(cfg.top_p[i])])
+        alone = engine.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
+                                sampling_params=one, max_new_tokens=25)
+        assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
+    # the same rows in another order
+    perm = [2, 0, 1]
+    cfgp = sampling.SamplingParams.create(3, temperature=[float(cfg.temperature[j]) for j in perm],
+                                          top_p=[float(cfg.top_p[j]) for j in perm])
+    shuffled = engine.generate(target, draft, [prompts[j] for j in perm], k=3, seed=42,
+                               row_indices=[10 + j for j in perm], sampling_params=cfgp, max_new_tokens=25)
+    assert [shuffled.tokens[perm.index(i)] for i in range(3)] == batch.tokens
+
+
+_SUBPROCESS = textwrap.dedent("""
+    import json
+    from models.llama import LlamaLM, tiny_config
+    from specjax import engine
+    t = LlamaLM.init(tiny_config(vocab_size=8, n_layers=2), seed=11)
+    d = LlamaLM.init(tiny_config(vocab_size=8, n_layers=1), seed=22)
+    out = engine.generate(t, d, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9, max_new_tokens=20)
+    print(json.dumps(out.tokens))
+""")
+
+
+def test_same_key_same_output_across_processes(target, draft):
+    here = engine.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
+                           max_new_tokens=20)
+    again = engine.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
+                            max_new_tokens=20)
+    assert here.tokens == again.tokens
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", _SUBPROCESS], capture_output=True, text=True, cwd=root,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == here.tokens
+    other = engine.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=10,
+                            max_new_tokens=20)
+    assert other.tokens != here.tokens
+
+
+def test_no_recompilation_for_new_values(target, draft):
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), 3, "token")
+    eng.generate([[1, 2, 3], [4, 5, 6, 7]], seed=0, max_new_tokens=20)
+    assert eng.trace_count == 1
+    eng.generate([[7, 7, 1], [0, 1]], seed=5, max_new_tokens=17,
+                 sampling_params=sampling.SamplingParams.create(
+                     2, temperature=[0.3, 0.0], top_k=[3, 0], top_p=[0.5, 1.0], min_p=[0.1, 0.0],
+                     repetition_penalty=[1.3, 1.0]))
+    eng.generate([[2, 2, 2, 2, 2, 2, 2], [1, 3]], keys=jax.random.split(jax.random.key(3), 2),
+                 max_new_tokens=[5, 30], stop_tokens=[3])
+    assert eng.trace_count == 1
+    ar = engine.AutoregressiveEngine(target)
+    ar.generate([[1, 2, 3]], seed=0, max_new_tokens=10)
+    ar.generate([[3, 2, 1, 0]], seed=1, max_new_tokens=12,
+                sampling_params=sampling.SamplingConfig(temperature=0.5, top_p=0.8))
+    assert ar.trace_count == 1
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def test_bad_input_is_rejected_before_work(target, draft):
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), 2, "token")
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([[]], seed=0)
+    with pytest.raises(ValueError, match="outside"):
+        eng.generate([[1, 99]], seed=0)
+    with pytest.raises(ValueError, match="at least 2"):
+        eng.generate([[1]], seed=0)
+    with pytest.raises(ValueError, match="context"):
+        eng.generate([[1, 2]], seed=0, max_new_tokens=10 ** 6)
+    with pytest.raises(ValueError, match="key"):
+        eng.generate([[1, 2]], keys=jax.random.split(jax.random.key(0), 3))
+    with pytest.raises(ValueError):
+        eng.generate([[1, 2]], seed=0, sampling_params={"temperature": -1.0})
+    with pytest.raises(ValueError, match="K must be"):
+        engine.generate(target, draft, [[1, 2]], k=0, seed=0)
+    with pytest.raises(ValueError, match="method"):
+        engine.generate(target, draft, [[1, 2]], k=2, method="typical", seed=0)
+    other = LlamaLM.init(tiny_config(vocab_size=V + 1), seed=0)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        engine.generate(target, other, [[1, 2]], k=2, seed=0)
+    assert eng.trace_count == 0
+
+
+def test_nan_logits_raise_not_sample(draft):
+    bad = LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=1)
+    params = jax.tree.map(lambda a: a * jnp.nan if a.ndim == 2 and a.shape[0] == V else a, bad.params)
+    bad = LlamaLM(bad.config, bad.graphdef, params)
+    with pytest.raises(FloatingPointError):
+        engine.generate(bad, draft, [[1, 2, 3]], k=2, seed=0, max_new_tokens=5)
+    with pytest.raises(FloatingPointError):
+        engine.generate_autoregressive(bad, [[1, 2, 3]], seed=0, max_new_tokens=5)
