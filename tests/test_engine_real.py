@@ -1,0 +1,50 @@
+"""The engine on the real SmolLM2-135M-Instruct: speculative greedy == autoregressive greedy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax import engine, sampling
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def real():
+    import models
+
+    target, _ = models.load_default_target()
+    tok = models.load_default_tokenizer()
+    return target, tok
+
+
+def first_layers_draft(target, n_layers):
+    """A training-free draft: the target's first layers with its embedding and head."""
+    from models.llama import LlamaLM
+
+    w = target.canonical_weights()
+    w = {k: (v[:n_layers] if getattr(v, "ndim", 0) >= 1 and v.shape[0] == target.config.n_layers
+             and k not in ("embed", "final_norm", "lm_head") else v) for k, v in w.items()}
+    return LlamaLM.from_weights(target.config.replace(n_layers=n_layers), w)
+
+
+def test_real_model_speculative_greedy_equals_autoregressive(real):
+    target, tok = real
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": "List the first five prime numbers."}],
+                                tokenize=True),
+        tok.encode("The capital of France is Paris. The capital of Italy is"),
+    ]
+    cfg = sampling.SamplingConfig(temperature=0.0)
+    n = 32
+    ar = engine.generate_autoregressive(target, prompts, seed=0, sampling_params=cfg, max_new_tokens=n,
+                                        greedy=True)
+    assert all(len(t) == n for t in ar.tokens)
+    look = engine.generate(target, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
+                           max_new_tokens=n)
+    assert look.tokens == ar.tokens
+    draft = first_layers_draft(target, 2)
+    spec = engine.generate(target, draft, prompts, k=3, method="greedy", seed=0, sampling_params=cfg,
+                           max_new_tokens=n)
+    assert spec.tokens == ar.tokens, [tok.decode(t) for t in spec.tokens + ar.tokens]
+    assert np.mean([s.tokens_per_round for s in spec.stats]) >= 1.0
