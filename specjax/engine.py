@@ -32,6 +32,7 @@ from specjax import keys as K_
 from specjax import sampling
 from specjax import verify as V_
 from specjax.proposers import (
+    CommitContext,
     DraftModelProposer,
     ProposeContext,
     PromptLookupProposer,
@@ -292,10 +293,8 @@ class SpeculativeEngine:
         tcache = tgt.init_cache(b, cache_len)
         pre = tgt.apply(target_params, prompt_buf, tcache, return_hidden=want_hidden)
         tcache = pre.cache.with_lengths(self._target_cache_lengths(prompt_lens))
-        hidden0 = None
-        if want_hidden:
-            hidden0 = _gather_rows_vec(pre.hidden, jnp.maximum(prompt_lens - 2, 0))
-        pstate = prop.init(draft_params, prompt_buf, prompt_lens, cache_len)
+        pstate = prop.init(draft_params, prompt_buf, prompt_lens, cache_len,
+                           pre.hidden if want_hidden else None)
 
         state = _initial_state(prompt_buf, prompt_lens, out_cap + k + 1, cache_len + k + 1, v, max_new)
         stats = dict(
@@ -318,12 +317,12 @@ class SpeculativeEngine:
             return ~jnp.all(state["done"])
 
         def body(carry):
-            state, stats, tcache, pstate, hidden, r = carry
+            state, stats, tcache, pstate, r = carry
             active = ~state["done"]
             rkeys = jax.vmap(lambda kk: K_.round_key(kk, r))(row_keys)
             ctx = ProposeContext(
                 seq=state["seq"], seq_len=state["seq_len"], params=params, counts=state["counts"],
-                round_keys=rkeys, target_hidden=hidden, use_penalties=use_penalties,
+                round_keys=rkeys, use_penalties=use_penalties,
             )
             prop_out = prop.propose(draft_params, pstate, ctx)
             x, q_lp, nd = prop_out.tokens, prop_out.logprobs, prop_out.num_draft
@@ -362,9 +361,12 @@ class SpeculativeEngine:
 
             # rollback is setting lengths; finished rows stay where they are
             tcache = tcache.with_lengths(self._target_cache_lengths(state["seq_len"]))
-            pstate = prop.commit(draft_params, prop_out.state, state["seq_len"])
-            if want_hidden:
-                hidden = jnp.where(active[:, None], _gather_rows_vec(t_hidden, n_acc), hidden)
+            # the proposer sees the target's final hidden states of this forward: entries
+            # 0..n_acc are those after s[L-1], x_1..x_n (committed tokens); the rest are stale
+            num_new = jnp.where(active & ~res.error, n_acc + 1, 0)
+            pstate = prop.commit(draft_params, prop_out.state, CommitContext(
+                seq=state["seq"], seq_len=state["seq_len"],
+                target_hidden=t_hidden if want_hidden else None, num_new=num_new))
 
             # statistics (active rows only)
             pos = jnp.arange(k)[None, :]
@@ -380,14 +382,13 @@ class SpeculativeEngine:
                 alpha_sum=stats["alpha_sum"] + jnp.sum(jnp.where(reached, alpha, 0.0), axis=1),
                 alpha_n=stats["alpha_n"] + jnp.sum(reached.astype(jnp.int32), axis=1),
             )
-            return state, stats, tcache, pstate, hidden, r + 1
+            return state, stats, tcache, pstate, r + 1
 
-        hidden_init = hidden0 if want_hidden else None
-        carry = (state, stats, tcache, pstate, hidden_init, jnp.int32(0))
-        state, stats, *_ = jax.lax.while_loop(cond, body, carry)
+        carry = (state, stats, tcache, pstate, jnp.int32(0))
+        state, stats, _, pstate, _ = jax.lax.while_loop(cond, body, carry)
         return dict(
             tokens=state["out"][:, :out_cap], gen_len=state["gen_len"], stopped=state["stopped"],
-            error=state["error"], **stats,
+            error=state["error"], proposer_state=pstate, **stats,
         )
 
     @staticmethod
@@ -429,7 +430,9 @@ def _gather_rows_vec(x, idx):
 
 
 def _to_output(res, *, with_stats, k, raise_on_error):
+    pstate = res.pop("proposer_state", None)  # stays on device (it may hold a KV cache)
     res = jax.device_get(res)
+    res["proposer_state"] = pstate
     err = np.asarray(res["error"])
     if raise_on_error and err.any():
         raise FloatingPointError(

@@ -3,11 +3,13 @@
 Every proposer is a static Python object whose methods are pure functions, called
 inside the engine's jitted ``lax.while_loop``:
 
-* ``init(params, prompt_tokens[B, P], prompt_lens[B], cache_len) -> state``
-  (prefill, once per generate call)
-* ``propose(params, state, ctx) -> Proposal`` (once per round)
-* ``commit(params, state, seq_len[B]) -> state`` (after verification, with the new
-  committed length of each row; rollback is resetting cache lengths)
+* ``init(params, prompt_tokens[B, P], prompt_lens[B], cache_len, target_hidden) -> state``
+  (prefill, once per generate call; ``target_hidden`` is the target's final hidden states
+  over the padded prompt [B, P, D] when the proposer sets ``needs_target_hidden``, else None)
+* ``propose(params, state, ProposeContext) -> Proposal`` (once per round)
+* ``commit(params, state, CommitContext) -> state`` (after verification: the new committed
+  tokens and lengths and, for feature-based drafts such as EAGLE-style heads, the target's
+  final hidden states from this round's forward; rollback is resetting cache lengths)
 
 A proposal carries ``tokens int32[B, K]``, the *processed* draft log-probs
 ``logprobs float32[B, K, V]`` that the tokens were actually drawn from, and
@@ -43,8 +45,19 @@ class ProposeContext(NamedTuple):
     params: Any  # SamplingParams with fields [B]
     counts: jax.Array  # int32[B, V] token counts of the committed sequence (for penalties)
     round_keys: jax.Array  # key[B]: fold_in(row_key, round)
-    target_hidden: Optional[jax.Array]  # [B, D] target's final hidden after token s[L-2], or None
     use_penalties: jax.Array  # bool scalar: any row has a penalty on
+
+
+class CommitContext(NamedTuple):
+    """What a proposer learns after verification (its ``commit``)."""
+
+    seq: jax.Array  # int32[B, S_total], the committed tokens after this round
+    seq_len: jax.Array  # int32[B], the new committed lengths L'
+    # [B, K+1, D] the target's final hidden states from this round's forward, or None when
+    # the proposer did not ask (needs_target_hidden=False). Entry j is the hidden state after
+    # the committed token at position L'-1-num_new+j, for j < num_new; later entries are stale.
+    target_hidden: Optional[jax.Array]
+    num_new: jax.Array  # int32[B]: valid leading entries of target_hidden (0 for finished rows)
 
 
 class Proposal(NamedTuple):
@@ -99,7 +112,7 @@ class DraftModelProposer:
     def params(self):
         return self.model.params
 
-    def init(self, params, prompt_tokens, prompt_lens, cache_len):
+    def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         b = prompt_tokens.shape[0]
         cache = self.model.init_cache(b, cache_len)
         out = self.model.apply(params, prompt_tokens, cache)
@@ -147,8 +160,8 @@ class DraftModelProposer:
         lp = process_rows(logits, ctx.params, counts, ctx.use_penalties)
         return sample_rows(keys, lp), lp
 
-    def commit(self, params, state, seq_len):
-        return state.with_lengths(seq_len - 2)
+    def commit(self, params, state, ctx: CommitContext):
+        return state.with_lengths(ctx.seq_len - 2)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -170,7 +183,7 @@ class PromptLookupProposer:
     min_prompt_len: int = 1
     params: Any = None
 
-    def init(self, params, prompt_tokens, prompt_lens, cache_len):
+    def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         return ()
 
     def _lookup_row(self, seq, length):
@@ -203,5 +216,5 @@ class PromptLookupProposer:
         logprobs = jnp.where(onehot > 0, 0.0, NEG_INF).astype(jnp.float32)
         return Proposal(toks, logprobs, num, state)
 
-    def commit(self, params, state, seq_len):
+    def commit(self, params, state, ctx: CommitContext):
         return state
