@@ -1,0 +1,358 @@
+"""Exactness audit: exact enumeration and Monte Carlo checks for any verifier.
+
+The synthetic model is CONTEXT-DEPENDENT: a table with one row of log-probs for every
+prefix of length ``0..depth`` (row order: by length, then the prefix read as a base-V
+number, first token most significant; see :func:`prefix_index`).  A verifier that
+looked up the wrong position would therefore see the wrong row.
+
+The quantity audited is the law of the first ``K + 1`` tokens of a sequence made by ONE
+verification round (draft ``K`` tokens from the draft table, verify against the target
+table) followed by plain sampling from the target until ``K + 1`` tokens exist.  An exact
+verifier gives the target's own joint law of ``K + 1`` tokens.
+
+* :func:`exact_round_law` -- that law by enumeration of every draft, in float64, from a
+  verifier's law function (e.g. :func:`specjax.verify.token_law`), i.e. from the same
+  helpers the sampler runs;
+* :func:`monte_carlo_counts` -- that law's empirical counts from the sampler itself
+  (jit + vmap over rows; drafts and the continuation drawn on the host);
+* :func:`chi_square_test` -- counts vs. probabilities, with a p-value;
+* :func:`audit_law`, :func:`audit_monte_carlo` -- the two checks with a pass/fail verdict.
+
+``draft_sample_table`` (default: the draft table) is the law the draft tokens are really
+drawn from, while ``draft_table`` is what the verifier is told; making them differ
+models a proposer whose processing does not match the log-probs it reports.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import keys as _keys
+from specjax import verify as _verify
+from specjax.sampling import SamplingConfig, process_logits
+
+__all__ = [
+    "EXACT_TOL", "MC_ALPHA", "num_prefixes", "prefix_offsets", "prefix_index",
+    "random_logits_table", "point_mass_table", "process_table", "normalize_table",
+    "target_joint_law", "exact_round_law", "monte_carlo_counts", "sequence_index",
+    "chi_square_test", "ChiSquare", "LawAudit", "MonteCarloAudit", "audit_law",
+    "audit_monte_carlo",
+]
+
+EXACT_TOL = 1e-9  # max |law - target law| for an exact verifier (float64 enumeration)
+MC_ALPHA = 1e-4  # a Monte Carlo check fails when its p-value is below this
+
+LawFn = Callable[..., _verify.RoundLaw]  # (tokens, draft_lp, target_lp, num_draft)
+VerifyFn = Callable[..., _verify.VerifyResult]  # (key, tokens, draft_lp, target_lp, n)
+
+
+# --------------------------------------------------------------------------------------
+# Prefix tables
+# --------------------------------------------------------------------------------------
+
+def num_prefixes(vocab_size: int, depth: int) -> int:
+    """Number of prefixes of length 0..depth."""
+    return sum(vocab_size ** m for m in range(depth + 1))
+
+
+def prefix_offsets(vocab_size: int, depth: int) -> np.ndarray:
+    """offsets[m] = row of the first prefix of length m."""
+    return np.cumsum([0] + [vocab_size ** m for m in range(depth + 1)])[:-1]
+
+
+def prefix_index(prefix, vocab_size: int):
+    """Table row of a prefix (int array [..., m]; m may be 0); numpy or jax."""
+    xp = jnp if isinstance(prefix, jax.Array) else np
+    prefix = xp.asarray(prefix)
+    m = prefix.shape[-1]
+    offset = sum(vocab_size ** j for j in range(m))
+    weights = xp.asarray([vocab_size ** (m - 1 - j) for j in range(m)], dtype=np.int32)
+    return offset + xp.sum(prefix * weights, axis=-1).astype(np.int32)
+
+
+def random_logits_table(seed: int, vocab_size: int, depth: int, scale: float = 2.0,
+                        ties: bool = True) -> np.ndarray:
+    """float32 [num_prefixes, V] random logits, one row per prefix of length 0..depth.
+
+    With ``ties`` some rows get exactly tied values, to exercise tie rules.
+    """
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(num_prefixes(vocab_size, depth), vocab_size)) * scale
+    if ties:
+        rows = rng.random(table.shape[0]) < 0.25
+        table[rows, 1] = table[rows, 0]
+    return table.astype(np.float32)
+
+
+def point_mass_table(seed: int, vocab_size: int, depth: int) -> np.ndarray:
+    """Log-probs of a deterministic lookup proposer: one token per prefix (0 / -inf)."""
+    rng = np.random.default_rng(seed)
+    n = num_prefixes(vocab_size, depth)
+    table = np.full((n, vocab_size), -np.inf, np.float32)
+    table[np.arange(n), rng.integers(0, vocab_size, n)] = 0.0
+    return table
+
+
+def process_table(logits_table, params) -> np.ndarray:
+    """Run every row through :func:`specjax.sampling.process_logits` with one setting."""
+    if isinstance(params, SamplingConfig):
+        params = params.to_params(1)
+    n = np.asarray(logits_table).shape[0]
+    params = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n,)), params)
+    return np.asarray(jax.jit(process_logits)(jnp.asarray(logits_table), params))
+
+
+def normalize_table(logprob_table) -> np.ndarray:
+    """float64 rows renormalized exactly (removes float32 normalization rounding)."""
+    t = np.asarray(logprob_table, np.float64)
+    m = np.max(t, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return t - (m + np.log(np.sum(np.exp(t - m), axis=-1, keepdims=True)))
+
+
+# --------------------------------------------------------------------------------------
+# Exact laws
+# --------------------------------------------------------------------------------------
+
+def _conditionals(table: np.ndarray, vocab_size: int, length: int) -> list:
+    """[cond_1, ..., cond_length]; cond_s has shape (V,)*s: p(z_s | z_<s) (float64)."""
+    probs = np.exp(normalize_table(table))
+    out = []
+    for s in range(1, length + 1):
+        if s == 1:
+            rows = probs[:1]
+        else:
+            prefixes = np.indices((vocab_size,) * (s - 1)).reshape(s - 1, -1).T
+            rows = probs[prefix_index(prefixes, vocab_size)]
+        out.append(rows.reshape((vocab_size,) * s))
+    return out
+
+
+def _expand(a: np.ndarray, ndim: int) -> np.ndarray:
+    return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+
+def target_joint_law(target_table, vocab_size: int, length: int) -> np.ndarray:
+    """float64 [V**length]: law of ``length`` tokens sampled from the target table."""
+    law = np.ones((vocab_size,) * length)
+    for c in _conditionals(target_table, vocab_size, length):
+        law = law * _expand(c, length)
+    return law.reshape(-1)
+
+
+_LAW_RUNNERS: dict = {}
+
+
+def exact_round_law(law_fn: LawFn, target_table, draft_table, num_draft_max: int,
+                    num_draft: Optional[int] = None, draft_sample_table=None):
+    """Law of the first K+1 tokens (one round, then the target) by exact enumeration.
+
+    ``law_fn(draft_tokens, draft_logprobs, target_logprobs, num_draft) -> RoundLaw`` is
+    evaluated in float64 (x64 enabled locally) on float64-renormalized tables.  K =
+    ``num_draft_max``; with ``num_draft`` < K the unused positions are filled with NaN
+    log-probs and ``PAD_ID`` tokens, which the verifier must ignore.
+    Returns ``(law float64[V**(K+1)], expected tokens emitted by the round)``.
+    """
+    k = int(num_draft_max)
+    target = normalize_table(target_table)
+    reported = normalize_table(draft_table)
+    sampled = normalize_table(draft_table if draft_sample_table is None
+                              else draft_sample_table)
+    v = target.shape[1]
+    n = k if num_draft is None else int(num_draft)
+    drafts = np.indices((v,) * k).reshape(k, -1).T  # [V**K, K]
+    rows = [prefix_index(drafts[:, :i], v) for i in range(k + 1)]
+    q_prob = np.ones(drafts.shape[0])
+    for i in range(n):
+        q_prob *= np.exp(sampled[rows[i], drafts[:, i]])
+    # Unused positions are not sampled: keep one representative (zeros) per used prefix.
+    q_prob[np.any(drafts[:, n:] != 0, axis=1)] = 0.0
+    possible = q_prob > 0  # only drafts that can occur are shown to the verifier
+    draft_lp = np.stack([reported[rows[i]] for i in range(k)], axis=1)
+    target_lp = np.stack([target[rows[i]] for i in range(k + 1)], axis=1)
+    tokens = drafts.copy()
+    draft_lp[:, n:] = np.nan
+    target_lp[:, n + 1:] = np.nan
+    tokens[:, n:] = _verify.PAD_ID
+    if law_fn not in _LAW_RUNNERS:
+        _LAW_RUNNERS[law_fn] = jax.jit(jax.vmap(law_fn, in_axes=(0, 0, 0, None)))
+    # Impossible drafts get a possible one's inputs (fixed shapes: one compile per (V, K)).
+    shown = np.where(possible, np.arange(len(possible)), np.argmax(possible))
+    with jax.enable_x64(True):
+        law = _LAW_RUNNERS[law_fn](
+            jnp.asarray(tokens[shown], jnp.int32), jnp.asarray(draft_lp[shown], jnp.float64),
+            jnp.asarray(target_lp[shown], jnp.float64), jnp.asarray(n, jnp.int32))
+    stop = np.where(possible[:, None], np.asarray(law.stop_probs, np.float64), 0.0)
+    emit = np.exp(np.asarray(law.emit_logprobs, np.float64))
+    # Stopping with probability exactly 0 contributes nothing (its row may be anything).
+    mass = np.where(stop[..., None] > 0, stop[..., None] * emit, 0.0)
+    mass = mass * q_prob[:, None, None]
+    length = k + 1
+    cond = _conditionals(target_table, v, length)
+    out = np.zeros((v,) * length)
+    for t in range(k + 1):
+        # Accepted prefix = the first t draft tokens; sum out the rest of the draft.
+        a = mass[:, t, :].reshape((v,) * k + (v,))
+        b = a.sum(axis=tuple(range(t, k))) if t < k else a  # (V,)*(t+1)
+        cont = np.ones((v,) * length)
+        for s in range(t + 2, length + 1):
+            cont = cont * _expand(cond[s - 1], length)
+        out += _expand(b, length) * cont
+    expected = float(np.sum(q_prob[:, None] * stop * np.arange(1, k + 2)))
+    return out.reshape(-1), expected
+
+
+# --------------------------------------------------------------------------------------
+# Monte Carlo
+# --------------------------------------------------------------------------------------
+
+def sequence_index(tokens, vocab_size: int) -> np.ndarray:
+    """Flat index of each sequence [N, L] in the ``(V,)*L`` outcome grid."""
+    tokens = np.asarray(tokens, np.int64)
+    weights = vocab_size ** np.arange(tokens.shape[-1] - 1, -1, -1, dtype=np.int64)
+    return tokens @ weights
+
+
+def _sample_rows(rng: np.random.Generator, logprobs: np.ndarray) -> np.ndarray:
+    """One inverse-CDF draw per row of float64 log-probs [N, V] (host side)."""
+    probs = np.exp(logprobs)
+    cdf = np.cumsum(probs, axis=-1)
+    u = rng.random(len(probs)) * cdf[:, -1]
+    return np.minimum((cdf <= u[:, None]).sum(-1), probs.shape[1] - 1)
+
+
+_RUNNERS: dict = {}
+
+
+def _runner(verify_fn):
+    if verify_fn not in _RUNNERS:
+        _RUNNERS[verify_fn] = jax.jit(jax.vmap(verify_fn, in_axes=(0, 0, 0, 0, None)))
+    return _RUNNERS[verify_fn]
+
+
+def monte_carlo_counts(verify_fn: VerifyFn, seed: int, target_table, draft_table,
+                       num_draft_max: int, num_rows: int = 200_000,
+                       num_draft: Optional[int] = None, draft_sample_table=None):
+    """Run the sampler ``verify_fn`` on ``num_rows`` independent rows (jit + vmap).
+
+    The drafts and the continuation after the round are drawn on the host (numpy,
+    ``seed``); the verifier gets float32 log-probs as the engine would pass them, and row
+    keys ``round_key(row_keys(seed, i), 0)``.  Positions beyond ``num_draft`` are
+    garbage (NaN log-probs, PAD_ID tokens) that the verifier must ignore.
+    Returns ``(counts int64[V**(K+1)], mean tokens emitted by the round, error count)``.
+    """
+    k = int(num_draft_max)
+    n = k if num_draft is None else int(num_draft)
+    target32 = np.asarray(target_table, np.float32)
+    reported32 = np.asarray(draft_table, np.float32)
+    target = normalize_table(target32)
+    sampled = normalize_table(draft_table if draft_sample_table is None
+                              else draft_sample_table)
+    v = target.shape[1]
+    rng = np.random.default_rng(seed)
+    draft = np.zeros((num_rows, k), np.int64)
+    for i in range(n):
+        draft[:, i] = _sample_rows(rng, sampled[prefix_index(draft[:, :i], v)])
+    rows = [prefix_index(draft[:, :i], v) for i in range(k + 1)]
+    draft_lp = np.stack([reported32[r] for r in rows[:k]], axis=1)
+    target_lp = np.stack([target32[r] for r in rows], axis=1)
+    draft_lp[:, n:] = np.nan
+    target_lp[:, n + 1:] = np.nan
+    tokens = np.where(np.arange(k) < n, draft, _verify.PAD_ID).astype(np.int32)
+    round_keys = jax.vmap(lambda r: _keys.round_key(r, 0))(
+        _keys.row_keys(seed, np.arange(num_rows)))
+    res = _runner(verify_fn)(round_keys, tokens, draft_lp, target_lp,
+                             jnp.asarray(n, jnp.int32))
+    out = np.asarray(res.tokens).astype(np.int64)
+    error = np.asarray(res.error)
+    accepted = np.asarray(res.num_accepted)
+    out, accepted = out[~error], accepted[~error]
+    for t in range(k + 1):  # continue with the target until K+1 tokens exist
+        fill = out[:, t] == _verify.PAD_ID
+        if fill.any():
+            out[fill, t] = _sample_rows(rng, target[prefix_index(out[fill, :t], v)])
+    counts = np.bincount(sequence_index(out, v), minlength=v ** (k + 1))
+    return counts.astype(np.int64), float(np.mean(accepted + 1)), int(error.sum())
+
+
+class ChiSquare(NamedTuple):
+    statistic: float
+    dof: int
+    p_value: float
+    impossible: int  # observations in cells of probability 0 (any -> p_value = 0)
+
+
+def chi_square_test(counts, probs, min_expected: float = 5.0) -> ChiSquare:
+    """Pearson chi-square of ``counts`` against ``probs`` (same flat grid).
+
+    Cells whose expected count is below ``min_expected`` are pooled into one cell; an
+    observation in a cell of probability 0 gives p-value 0.
+    """
+    from scipy import stats  # dev dependency; imported only when a test runs
+
+    counts = np.asarray(counts, np.float64)
+    probs = np.asarray(probs, np.float64)
+    total = counts.sum()
+    impossible = int(counts[probs <= 0].sum())
+    if impossible:
+        return ChiSquare(float("inf"), 0, 0.0, impossible)
+    expected = probs / probs.sum() * total
+    counts, expected = counts[probs > 0], expected[probs > 0]
+    small = expected < min_expected
+    obs = list(counts[~small])
+    exp = list(expected[~small])
+    if small.any():
+        obs.append(counts[small].sum())
+        exp.append(expected[small].sum())
+    obs, exp = np.asarray(obs), np.asarray(exp)
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    dof = max(len(obs) - 1, 1)
+    return ChiSquare(stat, dof, float(stats.chi2.sf(stat, dof)), 0)
+
+
+# --------------------------------------------------------------------------------------
+# Verdicts
+# --------------------------------------------------------------------------------------
+
+class LawAudit(NamedTuple):
+    max_abs_error: float
+    expected_tokens: float
+    passed: bool
+
+
+class MonteCarloAudit(NamedTuple):
+    chi2: ChiSquare
+    mean_tokens: float
+    errors: int
+    passed: bool
+
+
+def audit_law(law_fn: LawFn, target_table, draft_table, num_draft_max: int,
+              tol: float = EXACT_TOL, reference_table=None, **kwargs) -> LawAudit:
+    """Exact check: max |law - target joint law| < tol (float64 enumeration).
+
+    ``reference_table`` (default: the target table) is the law the output must follow.
+    """
+    law, expected = exact_round_law(law_fn, target_table, draft_table, num_draft_max,
+                                    **kwargs)
+    ref = target_table if reference_table is None else reference_table
+    v = np.asarray(target_table).shape[1]
+    err = float(np.max(np.abs(law - target_joint_law(ref, v, num_draft_max + 1))))
+    return LawAudit(err, expected, bool(err < tol))
+
+
+def audit_monte_carlo(verify_fn: VerifyFn, seed: int, target_table, draft_table,
+                      num_draft_max: int, num_rows: int = 200_000, alpha: float = MC_ALPHA,
+                      reference_table=None, **kwargs) -> MonteCarloAudit:
+    """Statistical check of the sampler: chi-square p-value >= alpha and no error flags."""
+    counts, mean_tokens, errors = monte_carlo_counts(
+        verify_fn, seed, target_table, draft_table, num_draft_max, num_rows, **kwargs)
+    ref = target_table if reference_table is None else reference_table
+    v = np.asarray(target_table).shape[1]
+    chi = chi_square_test(counts, target_joint_law(ref, v, num_draft_max + 1))
+    return MonteCarloAudit(chi, mean_tokens, errors,
+                           bool(chi.p_value >= alpha and errors == 0))

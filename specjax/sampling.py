@@ -1,0 +1,401 @@
+"""The one sampling pipeline: raw logits -> the normalized log-probs a token is drawn from.
+
+Draft and target go through the SAME function, :func:`process_logits`, with the same
+order of steps, so the law the verifier sees for the draft (q) and the target (p) is the
+law each side really samples from.  The order is fixed:
+
+1. cast to float32;
+2. ``allowed`` mask: tokens with ``allowed == False`` get logit ``-inf``;
+3. repetition penalty (CTRL / HF rule): for tokens seen in the history
+   (``counts > 0``), a logit ``> 0`` is divided by the penalty, any other is multiplied;
+4. presence penalty: ``presence_penalty`` is subtracted from the logit of every seen token;
+5. temperature: ``z = (l - max l) / T``; ``T == 0`` is greedy, a point mass at the
+   argmax (ties -> lowest id), which every later filter keeps unchanged;
+6. top-k: keep every token whose ``z`` is ``>=`` the k-th largest ``z`` (counted with
+   multiplicity), so ties at the boundary are all kept;
+7. top-p (on the distribution renormalized after top-k): keep token ``x`` iff the total
+   probability of the tokens STRICTLY more probable than ``x`` is ``< top_p``; tied
+   tokens are kept or dropped together, and the most probable token is always kept;
+8. min-p: keep ``x`` iff ``p(x) >= min_p * max_y p(y)`` (ratios do not depend on the
+   renormalization, so this is ``z(x) >= log(min_p)``);
+9. log-normalize over the kept tokens; every other token gets ``-inf``.
+
+All three filters are "keep ``z >= threshold``" rules, defined only by the values (not
+by any sort order), so the result does not depend on how ties are ordered.  A row whose
+tokens are all excluded by ``allowed`` comes out as all ``-inf`` (no NaN); NaN in the
+logits comes out as NaN, which the verifiers report as an error.
+
+Performance (V = 49152): nothing is sorted.  When no row of the batch has top-k or top-p
+on, the filter code is skipped by a batch-level ``lax.cond``.  Otherwise the thresholds
+come from the ``_CANDIDATES`` largest values per row (``lax.top_k``), which is exact
+whenever the cut lies among them; rows where it does not (top_k > _CANDIDATES, or a
+nucleus wider than the candidates) get the exact threshold from a 32-step binary search
+over the ordered float32 bit patterns (again behind a batch-level ``lax.cond``).  Call
+``process_logits`` on the whole batch, not under ``jax.vmap`` (``vmap`` turns ``cond``
+into ``select`` and every branch would run).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional, Sequence, Union
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingParams", "SamplingConfig", "process_logits", "sample", "gumbel"]
+
+Scalar = Union[float, int]
+PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
+
+# How many of each row's largest values the top-k / top-p thresholds are looked for in
+# before falling back to the bit-pattern binary search.
+_CANDIDATES = 256
+# Rows whose cut is not among the candidates are bisected this many at a time.
+_SLOW_ROWS = 8
+
+_NEG_INF = -jnp.inf
+
+# How the largest values of each row are found: ``(z [N, V], m) -> [N, m]`` descending.
+# None = ``lax.top_k``. specjax.sharding installs a vocabulary-sharded version (per-shard
+# top-m, then the top-m of the gathered candidates: the same values) while it traces.
+_TOP_VALUES: Optional[Callable] = None
+
+
+@contextlib.contextmanager
+def top_values_impl(fn: Optional[Callable]):
+    """Use ``fn(z, m)`` for the top-m values of each row while tracing (None: lax.top_k)."""
+    global _TOP_VALUES
+    prev, _TOP_VALUES = _TOP_VALUES, fn
+    try:
+        yield
+    finally:
+        _TOP_VALUES = prev
+
+
+def _top_values(z, m):
+    return jax.lax.top_k(z, m)[0] if _TOP_VALUES is None else _TOP_VALUES(z, m)
+
+
+# --------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------
+
+def _check_rows(name: str, values: np.ndarray, bad: np.ndarray, rule: str) -> None:
+    if np.any(bad):
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"SamplingParams.{name}[{row}] = {values[row]!r} is invalid: {rule}")
+
+
+def _per_row(name: str, value, batch_size: int, dtype) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        arr = np.full((batch_size,), arr)
+    if arr.ndim != 1 or arr.shape[0] != batch_size:
+        raise ValueError(
+            f"SamplingParams.{name} must be a scalar or have length batch_size={batch_size}, "
+            f"got shape {arr.shape}")
+    if dtype == np.int32:
+        if arr.dtype.kind not in "iub":
+            as_float = arr.astype(np.float64)
+            bad = ~np.isfinite(as_float) | (as_float != np.round(as_float))
+            _check_rows(name, arr, bad, "must be an integer")
+        return arr.astype(np.int32)
+    if arr.dtype.kind not in "iufb":
+        raise ValueError(f"SamplingParams.{name} must be numeric, got dtype {arr.dtype}")
+    return arr.astype(np.float32)
+
+
+def _validate(f: dict) -> None:
+    """Host-side checks; each raises ValueError naming the field and the first bad row."""
+    t = f["temperature"]
+    _check_rows("temperature", t, ~np.isfinite(t) | (t < 0), "must be finite and >= 0")
+    p = f["top_p"]
+    _check_rows("top_p", p, ~((p > 0) & (p <= 1)), "must lie in (0, 1]")
+    m = f["min_p"]
+    _check_rows("min_p", m, ~((m >= 0) & (m < 1)), "must lie in [0, 1)")
+    r = f["repetition_penalty"]
+    _check_rows("repetition_penalty", r, ~np.isfinite(r) | ~(r > 0),
+                "must be finite and > 0")
+    pp = f["presence_penalty"]
+    _check_rows("presence_penalty", pp, ~np.isfinite(pp), "must be finite")
+
+
+@flax.struct.dataclass
+class SamplingParams:
+    """Per-row sampling settings: a pytree of arrays (changing values never recompiles).
+
+    temperature float32[B] (0 = greedy); top_k int32[B] (<= 0 or >= V: off);
+    top_p float32[B] in (0, 1] (1: off); min_p float32[B] in [0, 1) (0: off);
+    repetition_penalty float32[B] > 0 (1: off); presence_penalty float32[B] (0: off).
+    Build it with :meth:`create` (validated on the host); the fields may also be any
+    shape that aligns with the leading axes of the logits (see :func:`process_logits`).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+
+    @classmethod
+    def create(cls, batch_size: int, temperature: PerRow = 1.0, top_k: PerRow = 0,
+               top_p: PerRow = 1.0, min_p: PerRow = 0.0, repetition_penalty: PerRow = 1.0,
+               presence_penalty: PerRow = 0.0) -> "SamplingParams":
+        """Scalars or per-row sequences, validated with numpy before any tracing."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+                or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = int(batch_size)
+        f = {
+            "temperature": _per_row("temperature", temperature, batch_size, np.float32),
+            "top_k": _per_row("top_k", top_k, batch_size, np.int32),
+            "top_p": _per_row("top_p", top_p, batch_size, np.float32),
+            "min_p": _per_row("min_p", min_p, batch_size, np.float32),
+            "repetition_penalty": _per_row("repetition_penalty", repetition_penalty,
+                                           batch_size, np.float32),
+            "presence_penalty": _per_row("presence_penalty", presence_penalty,
+                                         batch_size, np.float32),
+        }
+        _validate(f)
+        return cls(**{k: jnp.asarray(v) for k, v in f.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Host-side preset (e.g. from YAML): the same fields as :class:`SamplingParams`."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+
+    def __post_init__(self):
+        # Same checks as SamplingParams.create, on a batch of one.
+        self.to_params(1)
+
+    def to_params(self, batch_size: int) -> SamplingParams:
+        return SamplingParams.create(batch_size, **dataclasses.asdict(self))
+
+
+# --------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------
+
+def _lead(a, batch_ndim: int):
+    """Append unit axes so ``a`` lines up with the LEADING axes of a batch of that rank."""
+    a = jnp.asarray(a)
+    missing = batch_ndim - a.ndim
+    return a.reshape(a.shape + (1,) * missing) if missing > 0 else a
+
+
+def _lead_vocab(a, batch_ndim: int):
+    """Like :func:`_lead` for a ``[..., V]`` array: unit axes go before the vocab axis."""
+    a = jnp.asarray(a)
+    missing = batch_ndim + 1 - a.ndim
+    return a.reshape(a.shape[:-1] + (1,) * missing + a.shape[-1:]) if missing > 0 else a
+
+
+def _ordered_key(x):
+    """float32 -> int32 with the same order (for -inf <= x <= +inf; no NaN)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(b >= 0, b, b ^ jnp.int32(0x7FFFFFFF))
+
+
+def _from_ordered_key(k):
+    return jax.lax.bitcast_convert_type(jnp.where(k >= 0, k, k ^ jnp.int32(0x7FFFFFFF)),
+                                        jnp.float32)
+
+
+def _bisect_threshold(z, mass, target, lo, hi):
+    """Exact threshold by binary search over ordered float32 bit patterns (<= 32 steps).
+
+    z: float32[R, V]; mass: float32[R, V] (>= 0) or None (count); target: [R]; lo, hi:
+    float32[R] brackets with ``lo <= answer <= hi``.  Returns the smallest float32 t
+    with ``sum(mass[z > t]) < target`` (``mass=None``: ``count(z > t) < target``).
+    This t is a value of z (or -inf), so ``z >= t`` is exactly the kept set.
+    """
+    lo, hi = _ordered_key(lo), _ordered_key(hi)
+
+    def body(_, carry):
+        lo, hi = carry
+        mid = lo + (hi - lo) // 2
+        above = z > _from_ordered_key(mid)[:, None]
+        s = (jnp.sum(above, axis=-1, dtype=jnp.int32) if mass is None
+             else jnp.sum(jnp.where(above, mass, 0.0), axis=-1))
+        ok = s < target
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return _from_ordered_key(hi)
+
+
+def _mass_above(c, pc):
+    """For c [N, M] sorted descending with masses pc: S_j = sum of pc_i over c_i > c_j."""
+    m = c.shape[-1]
+    excl = jnp.cumsum(pc, axis=-1) - pc
+    idx = jnp.arange(m)
+    new_group = jnp.concatenate([jnp.ones_like(c[:, :1], bool), c[:, 1:] != c[:, :-1]], -1)
+    start = jax.lax.cummax(jnp.where(new_group, idx, 0), axis=1)  # first index of its tie
+    return jnp.take_along_axis(excl, start, axis=-1)
+
+
+def _log_mass(z):
+    """log sum exp(z) over the last axis, for rows whose maximum is 0 (or all -inf)."""
+    return jnp.log(jnp.sum(jnp.exp(z), axis=-1))
+
+
+def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):
+    """Recompute (t_k, t_p) by bisection for the rows flagged ``slow``, _SLOW_ROWS at a time.
+
+    The cost grows with the number of such rows, not with the batch.
+    """
+    n = z.shape[0]
+    r = min(_SLOW_ROWS, n)
+    neg = jnp.full((r,), -jnp.inf, jnp.float32)
+    zero = jnp.zeros((r,), jnp.float32)
+
+    def body(state):
+        t_k, t_p, todo = state
+        idx = jnp.nonzero(todo, size=r, fill_value=n)[0]  # n = out of range: dropped
+        at = jnp.minimum(idx, n - 1)
+        rows = z[at]
+        tk = jnp.where(slow_k[at], _bisect_threshold(rows, None, top_k[at], neg, zero), t_k[at])
+        tk = jnp.where(topk_on[at], tk, -jnp.inf)
+        zk = jnp.where(rows >= tk[:, None], rows, -jnp.inf)
+        pk = jnp.exp(zk - _log_mass(zk)[:, None])
+        tp = jnp.where(top_p[at] < 1, _bisect_threshold(zk, pk, top_p[at], neg, zero), -jnp.inf)
+        return (t_k.at[idx].set(tk, mode="drop"), t_p.at[idx].set(tp, mode="drop"),
+                todo.at[idx].set(False, mode="drop"))
+
+    t_k, t_p, _ = jax.lax.while_loop(lambda s: jnp.any(s[2]), body, (t_k, t_p, slow))
+    return t_k, t_p
+
+
+def _filter_threshold(z, top_k, top_p, topk_on, topp_on):
+    """max(top-k threshold, top-p threshold) per row of z [N, V] (max 0); -inf if off."""
+    n, v = z.shape
+    m = min(_CANDIDATES, v)
+    cand = _top_values(z, m)  # [N, M], descending
+    k = jnp.clip(top_k, 1, v)
+    t_k = jnp.where(topk_on, jnp.take_along_axis(cand, (jnp.minimum(k, m) - 1)[:, None],
+                                                 axis=-1)[:, 0], _NEG_INF)
+    slow_k = topk_on & (k > m)
+
+    # top-p on the distribution renormalized after top-k; S(c_j) = mass strictly above c_j.
+    lse_k = _log_mass(jnp.where(z >= t_k[:, None], z, _NEG_INF))
+    c = jnp.where(cand >= t_k[:, None], cand, _NEG_INF)
+    above = _mass_above(c, jnp.exp(c - lse_k[:, None]))
+    ok = (above < top_p[:, None]) & (c > _NEG_INF)
+    t_p = jnp.where(topp_on, jnp.min(jnp.where(ok, c, jnp.inf), axis=-1), _NEG_INF)
+    # The cut lies among the candidates iff the last one is already cut (or -inf).
+    resolved = (m == v) | (c[:, -1] == _NEG_INF) | (above[:, -1] >= top_p)
+    slow = slow_k | (topp_on & ~resolved)
+    t_k, t_p = jax.lax.cond(
+        jnp.any(slow),
+        lambda a: _exact_thresholds(z, top_k, top_p, topk_on, slow_k, *a, slow),
+        lambda a: a, (t_k, t_p))
+    return jnp.maximum(t_k, t_p)
+
+
+def process_logits(logits, params: SamplingParams, counts=None, allowed=None) -> jax.Array:
+    """Logits [..., V] (any float dtype) -> float32 normalized log-probs [..., V].
+
+    ``params`` fields, ``counts`` (int[..., V], occurrences of each token in the
+    history) and ``allowed`` (bool[..., V] or [V]) are aligned with the LEADING axes of
+    the logits: a ``[B]`` field with ``[B, T, V]`` logits applies to all T positions of
+    row b (numpy broadcasting is the special case of equal rank).  Excluded tokens get
+    ``-inf``.  See the module docstring for the order of steps and the filter rules.
+    For penalties at draft/verify positions, ``counts`` must include the drafted prefix
+    before each position, or the law is not the autoregressive one.
+    """
+    x = jnp.asarray(logits).astype(jnp.float32)
+    batch_shape, v = x.shape[:-1], x.shape[-1]
+    nb = len(batch_shape)
+
+    def row(a, dtype):
+        return jnp.broadcast_to(_lead(a, nb), batch_shape).astype(dtype).reshape(-1)
+
+    temperature = row(params.temperature, jnp.float32)
+    top_k = row(params.top_k, jnp.int32)
+    top_p = row(params.top_p, jnp.float32)
+    min_p = row(params.min_p, jnp.float32)
+
+    if allowed is not None:
+        x = jnp.where(_lead_vocab(allowed, nb), x, _NEG_INF)
+    if counts is not None:
+        seen = _lead_vocab(counts, nb) > 0
+        pen = row(params.repetition_penalty, jnp.float32).reshape(batch_shape + (1,))
+        pres = row(params.presence_penalty, jnp.float32).reshape(batch_shape + (1,))
+        x = jnp.where(seen, jnp.where(x > 0, x / pen, x * pen) - pres, x)
+
+    x = x.reshape(-1, v)
+    xmax = jnp.max(x, axis=-1, keepdims=True)
+    empty = xmax == _NEG_INF  # every token masked out
+    greedy = (temperature == 0)[:, None]
+    safe_t = jnp.where(greedy, 1.0, temperature[:, None])
+    iota = jnp.arange(v, dtype=jnp.int32)
+    # Greedy: a point mass at the first maximum (ties -> lowest id).
+    first = jax.lax.cond(
+        jnp.any(greedy),
+        lambda x: jnp.min(jnp.where(x == xmax, iota, v), axis=-1, keepdims=True),
+        lambda x: jnp.zeros((x.shape[0], 1), jnp.int32), x)
+
+    def scaled(x):
+        z = jnp.where(greedy, jnp.where(iota == first, 0.0, _NEG_INF), (x - xmax) / safe_t)
+        return jnp.where(empty, _NEG_INF, z)  # max 0 per row; NaN stays NaN
+
+    topk_on = (top_k > 0) & (top_k < v) & ~greedy[:, 0]
+    topp_on = (top_p < 1) & ~greedy[:, 0]
+    thr = jax.lax.cond(
+        jnp.any(topk_on | topp_on),
+        lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on),
+        lambda x: jnp.full(x.shape[:1], _NEG_INF, jnp.float32), x)
+    # min-p: p(x) >= min_p * max p  <=>  z(x) >= log(min_p)  (log(0) = -inf: off).
+    thr = jnp.maximum(thr, jnp.where(greedy[:, 0], _NEG_INF, jnp.log(min_p)))[:, None]
+    z = scaled(x)
+    z = jnp.where(z >= thr, z, _NEG_INF)
+    # The maximum (0) is always kept, so the sum is >= 1.
+    out = jnp.where(empty, _NEG_INF, z - _log_mass(z)[:, None])
+    out = jnp.where(jnp.isnan(xmax), jnp.nan, out)  # NaN in, NaN out (verify flags it)
+    return out.reshape(batch_shape + (v,))
+
+
+# --------------------------------------------------------------------------------------
+# Drawing a token
+# --------------------------------------------------------------------------------------
+
+def gumbel(key, shape) -> jax.Array:
+    """Standard Gumbel noise from 32 random bits per value (float32).
+
+    ``-log(E)`` with ``E = -log1p(-v)`` and ``v = (bits + 0.5) / 2**32`` clipped below 1:
+    the upper tail (the one that lets an improbable token win) reaches ~22.9 instead of
+    ~15.9 for a 23-bit uniform, so tokens down to ~1e-11 of the top probability keep
+    their chance.
+    """
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    v = (bits.astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -32)
+    v = jnp.minimum(v, jnp.float32(1.0 - 2.0 ** -24))
+    return -jnp.log(-jnp.log1p(-v))
+
+
+def sample(key, logprobs) -> jax.Array:
+    """Draw one int32 token from one row's processed log-probs [V] (Gumbel-max).
+
+    Exact up to float32 resolution; a ``-inf`` token is never drawn.  A row with no
+    finite entry (nothing allowed) or with NaN returns -1 (``verify.PAD_ID``).
+    """
+    lp = jnp.asarray(logprobs, jnp.float32)
+    score = lp + gumbel(key, lp.shape)
+    best = jnp.max(score, axis=-1, keepdims=True)
+    # first maximum, as argmax (a min over the equal positions is cheaper on CPU)
+    tok = jnp.min(jnp.where(score == best, jnp.arange(lp.shape[-1], dtype=jnp.int32),
+                            lp.shape[-1]), axis=-1)
+    bad = ~(jnp.max(lp, axis=-1) > _NEG_INF) | jnp.any(jnp.isnan(lp), axis=-1)
+    return jnp.where(bad, jnp.int32(-1), tok)

@@ -1,0 +1,228 @@
+"""specjax.sampling: the pipeline against a plain numpy reference, parameters, sample()."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import audit, keys
+from specjax.sampling import (SamplingConfig, SamplingParams, gumbel, process_logits,
+                              sample)
+
+process = jax.jit(process_logits)
+
+
+def reference_row(logits, temperature, top_k, top_p, min_p, rep=1.0, pres=0.0,
+                  counts=None, allowed=None):
+    """The documented pipeline, written plainly in float64 (sorting is fine here)."""
+    x = np.asarray(logits, np.float64).copy()
+    v = len(x)
+    if allowed is not None:
+        x[~allowed] = -np.inf
+    if counts is not None:
+        seen = counts > 0
+        x = np.where(seen, np.where(x > 0, x / rep, x * rep) - pres, x)
+    if temperature == 0:
+        out = np.full(v, -np.inf)
+        out[np.argmax(x)] = 0.0
+        return out
+    z = (x - x.max()) / temperature
+    keep = np.isfinite(z)
+    if 0 < top_k < v:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    if top_p < 1:
+        zz = np.where(keep, z, -np.inf)
+        p = np.exp(zz - zz.max())
+        p /= p.sum()
+        above = (p[None, :] * (p[None, :] > p[:, None])).sum(axis=1)
+        keep &= above < top_p
+    if min_p > 0:
+        p = np.exp(np.where(keep, z, -np.inf))
+        keep &= p >= min_p * p.max()
+    zz = np.where(keep, z, -np.inf)
+    return zz - zz.max() - np.log(np.sum(np.exp(zz - zz.max())))
+
+
+def _random_batch(rng, b, v, scale):
+    logits = (rng.normal(size=(b, v)) * scale).astype(np.float32)
+    logits[:, :6] = np.round(logits[:, :6])  # exact ties
+    logits[0] = 0.5  # a row that is all ties
+    logits[1, 3] = -np.inf
+    return logits
+
+
+def _assert_matches(out, logits, t, k, p, m, **kw):
+    for b in range(logits.shape[0]):
+        ref = reference_row(logits[b], t[b], k[b], p[b], m[b],
+                            **{n: (a[b] if isinstance(a, np.ndarray) else a)
+                               for n, a in kw.items()})
+        np.testing.assert_array_equal(np.isneginf(out[b]), np.isneginf(ref),
+                                      err_msg=f"kept set differs in row {b}")
+        fin = np.isfinite(ref)
+        np.testing.assert_allclose(out[b][fin], ref[fin], atol=2e-5, err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("v,scale", [(50, 2.0), (700, 1.0), (700, 6.0)])
+def test_process_logits_matches_reference(v, scale):
+    # V = 700 > the 256 candidates: flat rows (scale 1) with top_p 0.99 / top_k 300 take
+    # the bisection fallback, peaked rows the candidate path; both in one batch.
+    rng = np.random.default_rng(v + int(scale))
+    b = 48
+    logits = _random_batch(rng, b, v, scale)
+    t = rng.choice([0.0, 0.3, 1.0, 1.7], b).astype(np.float32)
+    k = rng.choice([0, 1, 3, 40, 300, v], b).astype(np.int32)
+    p = rng.choice([1.0, 0.3, 0.9, 0.99], b).astype(np.float32)
+    m = rng.choice([0.0, 0.02, 0.3], b).astype(np.float32)
+    out = np.asarray(process(logits, SamplingParams.create(b, t, k, p, m)))
+    _assert_matches(out, logits, t, k, p, m)
+    np.testing.assert_allclose(np.log(np.exp(out).sum(-1)), 0.0, atol=1e-5)
+
+
+def test_penalties_and_mask_match_reference():
+    rng = np.random.default_rng(3)
+    b, v = 12, 40
+    logits = _random_batch(rng, b, v, 2.0)
+    counts = rng.integers(0, 3, size=(b, v)).astype(np.int32)
+    allowed = rng.random((b, v)) < 0.8
+    allowed[:, 7] = True
+    t = np.full(b, 0.8, np.float32)
+    t[2] = 0.0
+    k, p, m = np.full(b, 5, np.int32), np.full(b, 0.9, np.float32), np.zeros(b, np.float32)
+    rep = rng.choice([1.0, 1.3, 0.7], b).astype(np.float32)
+    pres = rng.choice([0.0, 0.5, -0.4], b).astype(np.float32)
+    prm = SamplingParams.create(b, t, k, p, m, repetition_penalty=rep, presence_penalty=pres)
+    out = np.asarray(process(logits, prm, counts, allowed))
+    _assert_matches(out, logits, t, k, p, m, rep=rep, pres=pres, counts=counts,
+                    allowed=allowed)
+
+
+def test_filters_are_order_independent_and_tie_inclusive():
+    rng = np.random.default_rng(5)
+    b, v = 16, 300
+    logits = np.round(rng.normal(size=(b, v)) * 2).astype(np.float32)  # many ties
+    prm = SamplingParams.create(b, rng.choice([0.5, 1.0], b), rng.choice([0, 3, 10], b),
+                                rng.choice([1.0, 0.5, 0.9], b), rng.choice([0.0, 0.1], b))
+    perm = rng.permutation(v)
+    out = np.asarray(process(logits, prm))
+    out_perm = np.asarray(process(logits[:, perm], prm))
+    np.testing.assert_allclose(out_perm, out[:, perm], atol=1e-6)
+    # top_k = 1 keeps every token tied with the maximum.
+    one = np.asarray(process(logits, SamplingParams.create(b, top_k=1)))
+    np.testing.assert_array_equal(np.isfinite(one), logits == logits.max(-1, keepdims=True))
+
+
+def test_greedy_is_point_mass_at_lowest_argmax():
+    logits = np.array([[1.0, 3.0, 3.0, -2.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    allowed = np.array([False, True, True, True])  # a [V] mask applies to every row
+    out = np.asarray(process(logits, SamplingParams.create(2, temperature=0.0, top_p=0.5,
+                                                           top_k=3, min_p=0.5), None, allowed))
+    np.testing.assert_array_equal(out, [[-np.inf, 0, -np.inf, -np.inf],
+                                        [-np.inf, 0, -np.inf, -np.inf]])
+
+
+def test_leading_axis_alignment_masks_and_dtypes():
+    # [B] parameters, [B, V] counts and mask with [B, T, V] bf16 logits: row b's values
+    # apply to all T positions of row b.
+    rng = np.random.default_rng(7)
+    b, t, v = 3, 4, 30
+    logits = jnp.asarray(rng.normal(size=(b, t, v)) * 2, jnp.bfloat16)
+    counts = rng.integers(0, 2, size=(b, v)).astype(np.int32)
+    allowed = rng.random((b, v)) < 0.7
+    allowed[:, 0] = True
+    temp, top_k = np.array([0.5, 1.0, 2.0]), np.array([0, 5, 2])
+    rep, pres = np.array([1.0, 1.5, 0.8]), np.array([0.0, 0.3, -0.2])
+    prm = SamplingParams.create(b, temp, top_k, 0.9, repetition_penalty=rep,
+                                presence_penalty=pres)
+    out = process(logits, prm, counts, allowed)
+    assert out.dtype == jnp.float32
+    out = np.asarray(out)
+    as_f32 = np.asarray(logits.astype(jnp.float32))
+    for i in range(b):
+        for j in range(t):
+            ref = reference_row(as_f32[i, j], temp[i], top_k[i], 0.9, 0.0, rep[i], pres[i],
+                                counts[i], allowed[i])
+            np.testing.assert_array_equal(np.isneginf(out[i, j]), np.isneginf(ref))
+            fin = np.isfinite(ref)
+            np.testing.assert_allclose(out[i, j][fin], ref[fin], atol=2e-5)
+
+
+def test_empty_mask_gives_neg_inf_and_nan_propagates():
+    logits = np.zeros((3, 6), np.float32)
+    logits[2, 1] = np.nan
+    allowed = np.ones((3, 6), bool)
+    allowed[0] = False
+    prm = SamplingParams.create(3, top_p=0.9, top_k=2)
+    out = np.asarray(process(logits, prm, allowed=allowed))
+    assert np.all(np.isneginf(out[0]))
+    assert np.all(np.isfinite(out[1]) | np.isneginf(out[1]))
+    assert np.all(np.isnan(out[2]))
+    assert int(sample(jax.random.key(0), out[0])) == -1
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("temperature", [1.0, -0.5], r"temperature\[1\]"),
+    ("temperature", [float("nan"), 1.0], r"temperature\[0\]"),
+    ("temperature", [1.0, float("inf")], r"temperature\[1\]"),
+    ("top_p", [0.0, 1.0], r"top_p\[0\]"),
+    ("top_p", [1.0, 1.5], r"top_p\[1\]"),
+    ("min_p", [0.2, 1.0], r"min_p\[1\]"),
+    ("min_p", [-0.1, 0.0], r"min_p\[0\]"),
+    ("repetition_penalty", [0.0, 1.0], r"repetition_penalty\[0\]"),
+    ("repetition_penalty", [1.0, float("nan")], r"repetition_penalty\[1\]"),
+    ("presence_penalty", [float("inf"), 0.0], r"presence_penalty\[0\]"),
+    ("top_k", [1.5, 2], r"top_k\[0\]"),
+    ("top_p", [0.5, 0.5, 0.5], r"top_p must be a scalar or have length"),
+])
+def test_invalid_params_raise_before_tracing(field, value, msg):
+    traces = []
+
+    @jax.jit
+    def f(params):
+        traces.append(1)
+        return process_logits(jnp.zeros((2, 5)), params)
+
+    with pytest.raises(ValueError, match=msg):
+        f(SamplingParams.create(2, **{field: value}))
+    assert not traces
+
+
+def test_sampling_config_validates_and_converts():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0.0)
+    cfg = SamplingConfig(temperature=0.7, top_k=20, top_p=0.95)
+    prm = cfg.to_params(3)
+    assert prm.top_k.dtype == jnp.int32 and prm.temperature.shape == (3,)
+    assert dataclasses.asdict(cfg)["top_k"] == 20
+
+
+def test_changed_parameter_values_do_not_retrace():
+    traces = []
+
+    @jax.jit
+    def f(logits, params):
+        traces.append(1)
+        return process_logits(logits, params)
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 2, 64)), jnp.float32)
+    for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.0, 5, 0.9, 0.1), (0.5, 64, 0.2, 0.5)]:
+        f(logits, SamplingParams.create(4, t, k, p, m, 1.2, 0.3)).block_until_ready()
+    assert len(traces) == 1
+
+
+def test_sample_law_and_never_neg_inf():
+    with np.errstate(divide="ignore"):
+        lp = np.log(np.array([0.5, 0.0, 0.2, 0.25, 0.05, 0.0], np.float64))
+    rows = keys.row_keys(11, np.arange(200_000))
+    draws = np.asarray(jax.jit(jax.vmap(sample, in_axes=(0, None)))(rows, lp.astype(np.float32)))
+    assert draws.min() >= 0 and not np.isin(draws, [1, 5]).any()
+    chi = audit.chi_square_test(np.bincount(draws, minlength=6), np.exp(lp))
+    assert chi.p_value > 1e-4, chi
+
+
+def test_uniforms_and_gumbel_are_finite_and_open():
+    u = np.asarray(keys.uniform_open(jax.random.key(1), (1_000_000,)))
+    assert u.min() > 0.0 and u.max() < 1.0
+    g = np.asarray(gumbel(jax.random.key(2), (1_000_000,)))
+    assert np.all(np.isfinite(g))
+    assert abs(g.mean() - np.euler_gamma) < 0.01
