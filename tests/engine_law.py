@@ -10,9 +10,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import stats as sps
-
-from specjax import sampling
+from specjax import audit, sampling
 
 
 def exact_chain_law(model, prompt, n: int, cfg: sampling.SamplingConfig) -> np.ndarray:
@@ -45,27 +43,12 @@ def exact_chain_law(model, prompt, n: int, cfg: sampling.SamplingConfig) -> np.n
 
 
 def histogram(tokens, v: int, n: int) -> np.ndarray:
-    toks = np.asarray(tokens, np.int64)[:, :n]
-    idx = np.zeros(toks.shape[0], np.int64)
-    for i in range(n):
-        idx = idx * v + toks[:, i]
+    """Counts of each N-token outcome, indexed like :func:`exact_chain_law`."""
+    idx = audit.sequence_index(np.asarray(tokens, np.int64)[:, :n], v)
     return np.bincount(idx, minlength=v ** n)
 
 
-def chi_square(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0):
-    """Chi-square goodness of fit; outcomes with expected count < min_expected are pooled.
-
-    Observed counts on outcomes of probability 0 make the p-value 0 outright."""
-    counts = np.asarray(counts, np.float64)
-    probs = np.asarray(probs, np.float64)
-    total = counts.sum()
-    if np.any(counts[probs <= 0] > 0):
-        return 0.0, np.inf
-    exp = probs / probs.sum() * total
-    big = exp >= min_expected
-    obs = np.append(counts[big], counts[~big].sum())
-    ex = np.append(exp[big], exp[~big].sum())
-    if ex[-1] == 0:
-        obs, ex = obs[:-1], ex[:-1]
-    stat, pval = sps.chisquare(obs, ex)
-    return float(pval), float(stat)
+def chi_square(counts: np.ndarray, probs: np.ndarray):
+    """(p-value, statistic) of :func:`specjax.audit.chi_square_test`."""
+    res = audit.chi_square_test(counts, probs)
+    return res.p_value, res.statistic
