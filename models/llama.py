@@ -1,0 +1,621 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2-without-biases, ...) in Flax NNX.
+
+One frozen :class:`LlamaConfig` is the single source of truth for shapes. The model keeps
+the :class:`models.base.LanguageModel` contract through :class:`LlamaLM`:
+
+* ``LlamaLM.init(config, seed)``: random weights; ``LlamaLM.from_weights(config, weights)``:
+  from the *canonical* weight dict (below) that every loader produces;
+* ``lm.init_cache(batch, max_len)`` -> :class:`KVCache`;
+* ``lm.apply(params, tokens[B, T], cache, return_hidden=False)`` -> :class:`ModelOutput`,
+  a pure function of ``params`` (``lm.params``, the state of one ``nnx.split``).
+
+Canonical weights (numpy or jax arrays, PyTorch ``[out, in]`` orientation, per-layer
+tensors stacked on a leading ``L`` axis)::
+
+    embed [V, D]   lm_head [V, D] (only if not tied)   final_norm [D]
+    attn_norm [L, D]  wq [L, N*H, D]  wk [L, Nkv*H, D]  wv [L, Nkv*H, D]  wo [L, D, N*H]
+    mlp_norm [L, D]   w_gate [L, F, D]  w_up [L, F, D]  w_down [L, D, F]
+
+RoPE is rotate-half (HF ``rotate_half``): the two halves of a head are the real and
+imaginary parts. Loaders convert other conventions (llama.cpp's interleaved Q/K) into it.
+
+Internal parameter layout (chosen for XLA CPU speed, measured with
+``scripts/bench_step.py``): every matrix is stored ``[in, out]`` and multiplied as one 2-D
+``x @ W`` (XLA CPU's fast gemv/gemm form; an ``[out, in]`` weight or a multi-dimensional
+contraction made XLA transpose every weight on every call). Q, K and V are fused per KV
+group as ``wqkv [D, Nkv, G+2, H]`` (G = N / Nkv query heads, then the group's K and V
+head, so sharding ``kv_heads`` keeps groups whole), gate and up as ``w_gate_up [D, 2, F]``,
+``wo [N, H, D]``, ``w_down [F, D]``; the (tied) embedding is stored ``[D, V]`` so the LM
+head is a plain ``x @ E`` and the token lookup gathers columns. With ``scan_layers`` the
+per-layer parameters are stacked on a leading ``layers`` axis and run in ``lax.scan``;
+otherwise each layer is its own module in an ``nnx.List`` and a Python loop unrolls them
+(faster on CPU). Both give the same logits. Attention reads the cache in ``attn_chunk``
+slot chunks only up to the longest live row (online softmax), so its cost follows the
+used length rather than ``max_len``.
+
+Every parameter carries logical axis names (``out_sharding`` metadata, read with
+``nnx.get_partition_spec``) from: embed, heads, kv_heads, head_dim, mlp, vocab, layers.
+Activations pass through :func:`constrain` at block boundaries: a no-op unless a mesh is
+set (``jax.set_mesh``) with logical axis rules (``nnx.logical_axis_rules``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd as core_spmd
+from jax.sharding import PartitionSpec as P
+
+from models.base import KVCache, ModelOutput
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (HF ``rope_type: llama3``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type != "llama3":
+            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r} (only 'llama3')")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # compute dtype of activations and the KV cache
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+    # attention reads the cache in chunks of this many slots, only up to the longest row
+    # (a dynamic loop); 0 = one pass over all max_len slots. Pure speed knob.
+    attn_chunk: int = 256
+    max_position: int = 8192  # informational (context length of the checkpoint)
+    name: str = "llama"
+
+    def __post_init__(self):
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"LlamaConfig.{f} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        for f in ("dtype", "param_dtype"):
+            if getattr(self, f) not in _DTYPES:
+                raise ValueError(f"LlamaConfig.{f}={getattr(self, f)!r}; expected one of {sorted(_DTYPES)}")
+        if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        D, F, H = self.dim, self.ffn_dim, self.head_dim
+        per_layer = 2 * D + D * H * (self.n_heads * 2 + self.n_kv_heads * 2) + 3 * D * F
+        head = 0 if self.tie_embeddings else self.vocab_size * D
+        return self.vocab_size * D + head + D + self.n_layers * per_layer
+
+
+def tiny_config(
+    vocab_size: int = 8,
+    n_layers: int = 1,
+    dim: int = 16,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 8,
+    ffn_dim: int = 32,
+    **kw: Any,
+) -> LlamaConfig:
+    """A tiny config for tests (V around 8)."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=ffn_dim,
+        **kw,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Sharding hooks
+# --------------------------------------------------------------------------------------
+
+
+def constrain(x: jax.Array, names: tuple) -> jax.Array:
+    """Sharding constraint on logical axis names; a no-op without a mesh.
+
+    Names are mapped to mesh axes with the rules of ``nnx.logical_axis_rules`` (names
+    without a rule are replicated); a mesh axis that does not divide its dimension is
+    dropped. Auto meshes get ``with_sharding_constraint``, all-Explicit ones ``reshard``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    rules = dict(core_spmd.get_logical_axis_rules() or ())
+    sizes = dict(mesh.shape)
+    spec = []
+    for dim, n in zip(x.shape, names):
+        axes = rules.get(n) if n is not None else None
+        group = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        total = math.prod(sizes.get(a, 1) for a in group)
+        spec.append(axes if group and dim % total == 0 else None)
+    spec = P(*spec)
+    if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _param(value, names: tuple) -> nnx.Param:
+    assert value.ndim == len(names), (value.shape, names)
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+# --------------------------------------------------------------------------------------
+# Pure building blocks
+# --------------------------------------------------------------------------------------
+
+
+def rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    H = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    rs = cfg.rope_scaling
+    if rs is not None:  # HF _compute_llama3_parameters
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        inv_l = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv_l / rs.factor + smooth * inv_l
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(is_medium, smoothed, inv_l)
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, cfg: LlamaConfig):
+    """cos, sin: float32[B, T, H/2] for integer positions [B, T]."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE. x: [B, T, ..., H]; cos/sin: [B, T, H/2]."""
+    h = x.shape[-1] // 2
+    extra = x.ndim - 3
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[-1:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[-1:])
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :h], xf[..., h:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _write_cache(c_all, layer, new, positions):
+    """Write new [B, T, Nkv, H] into c_all [L, B, S, Nkv, H] at (layer, b, positions[b, t]).
+
+    Positions >= S are dropped (never clamped onto other slots)."""
+    B, T = positions.shape
+    if B == 1:
+        # a single row: a dynamic_update_slice (in place) is cheaper than a scatter
+        upd = new.astype(c_all.dtype)[None]
+        S = c_all.shape[2]
+        start = positions[0, 0]
+        ok = start + T <= S
+        # out of room: keep the old content (drop), like the scatter below
+        cur = jax.lax.dynamic_slice(c_all, (layer, 0, jnp.minimum(start, S - T), 0, 0), upd.shape)
+        upd = jnp.where(ok, upd, cur)
+        return jax.lax.dynamic_update_slice(c_all, upd, (layer, 0, jnp.minimum(start, S - T), 0, 0))
+    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return c_all.at[layer, b_idx, positions].set(new.astype(c_all.dtype), mode="drop")
+
+
+def attention(q, k, v, mask):
+    """One pass. q [B,T,Nkv,G,H], k/v [B,S,Nkv,H], mask bool[B,T,S] -> [B,T,Nkv,G,H]."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype)
+
+
+_NEG = -1e30  # finite "minus infinity": a fully masked chunk gives exp(_NEG - m) = 0, never NaN
+
+
+def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
+    """Causal attention of q [B,T,Nkv,G,H] (at ``positions`` [B,T]) over layer ``layer`` of
+    the cache ``[L,B,S,Nkv,H]``: slot s is visible to position p iff s <= p.
+
+    With ``0 < chunk < S`` only ``ceil((max(positions)+1) / chunk)`` chunks of slots are read
+    (a ``fori_loop`` with a dynamic trip count and an online softmax), so the cost follows the
+    longest live row, not ``max_len``. Slot 0 is always visible, so the running max is finite
+    after the first chunk and fully masked chunks contribute exactly zero."""
+    L, B, S, Nkv, H = k_all.shape
+    T, G = q.shape[1], q.shape[3]
+    dt = q.dtype
+    if chunk <= 0 or chunk >= S:
+        slots = jnp.arange(S, dtype=jnp.int32)
+        mask = slots[None, None, :] <= positions[:, :, None]
+        return attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
+
+    scale = 1.0 / math.sqrt(H)
+    n_chunks = (jnp.max(positions) + chunk) // chunk  # chunks holding slots 0..max position
+
+    def body(c, carry):
+        m, l, acc = carry  # [B,Nkv,G,T], [B,Nkv,G,T], [B,Nkv,G,T,H] (float32)
+        nominal = c * chunk
+        start = jnp.minimum(nominal, S - chunk)  # the last chunk may overlap the previous one
+        kc = jax.lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, B, chunk, Nkv, H))[0].astype(dt)
+        vc = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, chunk, Nkv, H))[0].astype(dt)
+        slots = start + jnp.arange(chunk, dtype=jnp.int32)
+        ok = (slots[None, None, :] <= positions[:, :, None]) & (slots >= nominal)[None, None, :]  # [B,T,C]
+        s = jnp.einsum("btkgh,bskh->bkgts", q, kc, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(ok[:, None, None], s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(dt), vc, preferred_element_type=jnp.float32)
+        return m_new, l, acc * corr[..., None] + pv
+
+    init = (
+        jnp.full((B, Nkv, G, T), _NEG, jnp.float32),
+        jnp.zeros((B, Nkv, G, T), jnp.float32),
+        jnp.zeros((B, Nkv, G, T, H), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    o = acc / l[..., None]  # [B,Nkv,G,T,H]
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dt)
+
+
+# --------------------------------------------------------------------------------------
+# Layout conversion: canonical (HF-like) <-> internal fused
+# --------------------------------------------------------------------------------------
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def _np(x):
+    if isinstance(x, jax.core.Tracer):  # traced construction (specjax.sharding): stay in jax
+        return x
+    return np.asarray(jax.device_get(x))
+
+
+def fuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
+    """Canonical per-layer weights (any leading axes) -> internal fused ``[in, out]`` layout."""
+    D, H, Nkv, G, N = cfg.dim, cfg.head_dim, cfg.n_kv_heads, cfg.group_size, cfg.n_heads
+    # traced inputs (jax.jit / nnx.eval_shape: specjax.sharding builds params directly into
+    # their shardings) use jax.numpy; concrete inputs take the numpy path unchanged
+    xp = jnp if any(isinstance(a, jax.core.Tracer) for a in w.values()) else np
+    contig = np.ascontiguousarray if xp is np else (lambda a: a)
+    w = {k: (_np(v) if xp is np else v) for k, v in w.items()}
+    lead = w["attn_norm"].shape[:-1]
+    n = len(lead)
+    q = w["wq"].reshape(lead + (Nkv, G, H, D))
+    k = w["wk"].reshape(lead + (Nkv, 1, H, D))
+    v = w["wv"].reshape(lead + (Nkv, 1, H, D))
+    qkv = xp.concatenate([q, k, v], axis=-3)  # [.., Nkv, G+2, H, D]
+    gu = xp.stack([w["w_gate"], w["w_up"]], axis=n)  # [.., 2, F, D]
+    return {
+        "attn_norm": w["attn_norm"],
+        "wqkv": contig(xp.moveaxis(qkv, -1, n)),  # [.., D, Nkv, G+2, H]
+        "wo": contig(xp.swapaxes(w["wo"], -1, -2)).reshape(lead + (N, H, D)),
+        "mlp_norm": w["mlp_norm"],
+        "w_gate_up": contig(xp.moveaxis(gu, -1, n)),  # [.., D, 2, F]
+        "w_down": contig(xp.swapaxes(w["w_down"], -1, -2)),  # [.., F, D]
+    }
+
+
+def unfuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
+    """Inverse of :func:`fuse_layer` (numpy out)."""
+    D, H, Nkv, G, N = cfg.dim, cfg.head_dim, cfg.n_kv_heads, cfg.group_size, cfg.n_heads
+    w = {k: _np(v) for k, v in w.items()}
+    lead = w["attn_norm"].shape[:-1]
+    n = len(lead)
+    qkv = np.moveaxis(w["wqkv"], n, -1)  # [.., Nkv, G+2, H, D]
+    gu = np.moveaxis(w["w_gate_up"], n, -1)  # [.., 2, F, D]
+    c = np.ascontiguousarray
+    return {
+        "attn_norm": w["attn_norm"],
+        "wq": c(qkv[..., :G, :, :]).reshape(lead + (Nkv * G * H, D)),
+        "wk": c(qkv[..., G, :, :]).reshape(lead + (Nkv * H, D)),
+        "wv": c(qkv[..., G + 1, :, :]).reshape(lead + (Nkv * H, D)),
+        "wo": c(np.swapaxes(w["wo"].reshape(lead + (N * H, D)), -1, -2)),
+        "mlp_norm": w["mlp_norm"],
+        "w_gate": c(np.take(gu, 0, axis=n)),
+        "w_up": c(np.take(gu, 1, axis=n)),
+        "w_down": c(np.swapaxes(w["w_down"], -1, -2)),
+    }
+
+
+# internal parameter layout: every matrix is [in, out] (x @ W, what XLA CPU multiplies
+# fastest, see scripts/bench_step.py); logical axis names per dimension
+_LAYER_NAMES = {
+    "attn_norm": ("embed",),
+    "wqkv": ("embed", "kv_heads", None, "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+    "mlp_norm": ("embed",),
+    "w_gate_up": ("embed", None, "mlp"),
+    "w_down": ("mlp", "embed"),
+}
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict:
+    """Shapes of the canonical weight dict."""
+    V, D, L, N, Nkv, H, F = (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                             cfg.head_dim, cfg.ffn_dim)
+    s = {
+        "embed": (V, D),
+        "final_norm": (D,),
+        "attn_norm": (L, D),
+        "wq": (L, N * H, D),
+        "wk": (L, Nkv * H, D),
+        "wv": (L, Nkv * H, D),
+        "wo": (L, D, N * H),
+        "mlp_norm": (L, D),
+        "w_gate": (L, F, D),
+        "w_up": (L, F, D),
+        "w_down": (L, D, F),
+    }
+    if not cfg.tie_embeddings:
+        s["lm_head"] = (V, D)
+    return s
+
+
+def check_weights(cfg: LlamaConfig, weights: Mapping[str, Any], source: str = "weights") -> None:
+    exp = expected_shapes(cfg)
+    missing = sorted(set(exp) - set(weights))
+    extra = sorted(set(weights) - set(exp))
+    if missing or extra:
+        raise ValueError(f"{source}: missing tensors {missing}, unexpected tensors {extra}")
+    for k, shp in exp.items():
+        got = tuple(np.shape(weights[k]))
+        if got != shp:
+            raise ValueError(f"{source}: tensor {k!r} has shape {got}, config expects {shp}")
+
+
+# --------------------------------------------------------------------------------------
+# NNX modules
+# --------------------------------------------------------------------------------------
+
+
+class Block(nnx.Module):
+    """One decoder layer; with ``stacked=True`` every parameter has a leading layers axis."""
+
+    def __init__(self, cfg: LlamaConfig, w: Mapping[str, Any], stacked: bool = False):
+        self.cfg = cfg
+        pd = cfg.weight_dtype
+        for k, names in _LAYER_NAMES.items():
+            setattr(self, k, _param(jnp.asarray(w[k], pd), (("layers",) if stacked else ()) + names))
+
+    def __call__(self, x, k_all, v_all, layer, positions, cos, sin):
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        B, T, D = x.shape
+        Nkv, G, H = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+
+        h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
+        qkv = _linear(h, self.wqkv[...].astype(dt)).reshape(B, T, Nkv, G + 2, H)
+        q = apply_rope(qkv[:, :, :, :G], cos, sin)
+        k = apply_rope(qkv[:, :, :, G], cos, sin)
+        v = qkv[:, :, :, G + 1]
+        k_all = _write_cache(k_all, layer, k, positions)
+        v_all = _write_cache(v_all, layer, v, positions)
+        o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk)  # [B,T,Nkv,G,H]
+        x = x + _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt))
+        x = constrain(x, ("batch", None, "embed"))
+
+        h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
+        gu = _linear(h, self.w_gate_up[...].astype(dt)).reshape(B, T, 2, cfg.ffn_dim)
+        a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+        x = x + _linear(a, self.w_down[...].astype(dt))
+        x = constrain(x, ("batch", None, "embed"))
+        return x, k_all, v_all
+
+
+def _linear(x, w):
+    """x [B, T, in] times a weight stored [*in, *out] -> [B, T, prod(out)].
+
+    Both operands are flattened to 2-D first (free reshapes) so XLA sees one plain
+    matmul; a multi-dimensional operand makes XLA CPU transpose the weight every call."""
+    B, T, D = x.shape
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty:
+        # on a mesh (specjax.sharding): merge only the input axes of the weight. Merging a
+        # sharded minor output axis (w_gate_up [D, 2, F] with F split) is not a sharding
+        # XLA can express, so it would all-gather the weight on every call.
+        k = next(i for i in range(1, w.ndim + 1) if math.prod(w.shape[:i]) == D)
+        y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape((D,) + w.shape[k:]),
+                                (((1,), (0,)), ((), ())))
+        return y.reshape((B, T) + w.shape[k:])  # [B, T, *out]: callers reshape as they need
+    y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape(D, -1), (((1,), (0,)), ((), ())))
+    return y.reshape(B, T, -1)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, Any]):
+        check_weights(cfg, weights)
+        self.cfg = cfg
+        pd = cfg.weight_dtype
+        # stored [D, V] so that the LM head is a plain x @ E (the token lookup gathers columns)
+        self.embed = _param(jnp.asarray(_np(weights["embed"]).T, pd), ("embed", "vocab"))
+        self.final_norm = _param(jnp.asarray(weights["final_norm"], pd), ("embed",))
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(jnp.asarray(_np(weights["lm_head"]).T, pd), ("embed", "vocab"))
+        fused = fuse_layer(cfg, {k: weights[k] for k in LAYER_KEYS})
+        if cfg.scan_layers:
+            self.layers = Block(cfg, fused, stacked=True)
+        else:
+            self.layers = nnx.List([Block(cfg, {k: v[i] for k, v in fused.items()}) for i in range(cfg.n_layers)])
+
+    def canonical_weights(self) -> dict:
+        cfg = self.cfg
+        if cfg.scan_layers:
+            fused = {k: getattr(self.layers, k)[...] for k in _LAYER_NAMES}
+        else:
+            fused = {k: jnp.stack([getattr(b, k)[...] for b in self.layers]) for k in _LAYER_NAMES}
+        out = unfuse_layer(cfg, fused)
+        out["embed"] = np.ascontiguousarray(_np(self.embed[...]).T)
+        out["final_norm"] = _np(self.final_norm[...])
+        if not cfg.tie_embeddings:
+            out["lm_head"] = np.ascontiguousarray(_np(self.lm_head[...]).T)
+        return out
+
+    def __call__(self, tokens, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        B, T = tokens.shape
+        lengths = cache.lengths.astype(jnp.int32)
+        positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+        cos, sin = rope_tables(positions, cfg)
+
+        x = jnp.transpose(jnp.take(self.embed[...], tokens, axis=1), (1, 2, 0)).astype(dt)  # [B,T,D]
+        x = constrain(x, ("batch", None, "embed"))
+        k_all, v_all = cache.k, cache.v
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(carry, xs):
+                x, k_all, v_all = carry
+                st, i = xs
+                blk = nnx.merge(graphdef, st)
+                return blk(x, k_all, v_all, i, positions, cos, sin), None
+
+            (x, k_all, v_all), _ = jax.lax.scan(
+                body, (x, k_all, v_all), (state, jnp.arange(cfg.n_layers, dtype=jnp.int32))
+            )
+        else:
+            for i, blk in enumerate(self.layers):
+                x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin)
+
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+        head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T)
+        return ModelOutput(logits=logits.astype(jnp.float32), cache=new_cache,
+                           hidden=x if return_hidden else None)
+
+
+# --------------------------------------------------------------------------------------
+# LanguageModel implementation
+# --------------------------------------------------------------------------------------
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
+    """Canonical weights with a scaled-normal init (std 1/sqrt(fan_in); embeddings std 1)."""
+    shapes = expected_shapes(cfg)
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    out = {}
+    for key, (name, shp) in zip(keys, sorted(shapes.items())):
+        if name.endswith("norm"):
+            out[name] = 1.0 + 0.1 * jax.random.normal(key, shp, jnp.float32)
+        elif name == "embed":
+            out[name] = jax.random.normal(key, shp, jnp.float32)
+        else:
+            out[name] = jax.random.normal(key, shp, jnp.float32) / math.sqrt(shp[-1])
+    return out
+
+
+class LlamaLM:
+    """A Llama-family model behind the :class:`models.base.LanguageModel` contract."""
+
+    def __init__(self, config: LlamaConfig, graphdef, params):
+        self.config = config
+        self.graphdef = graphdef
+        self.params = params
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_weights(cls, config: LlamaConfig, weights: Mapping[str, Any]) -> "LlamaLM":
+        module = Llama(config, weights)
+        graphdef, params = nnx.split(module)
+        return cls(config, graphdef, params)
+
+    @classmethod
+    def init(cls, config: LlamaConfig, seed: int = 0) -> "LlamaLM":
+        return cls.from_weights(config, random_weights(config, seed))
+
+    def canonical_weights(self) -> dict:
+        """numpy canonical weights (see module docstring), e.g. for export."""
+        return self.module(self.params).canonical_weights()
+
+    def with_config(self, **changes) -> "LlamaLM":
+        """Same weights, new config (e.g. ``scan_layers=True``, ``dtype='bfloat16'``)."""
+        return LlamaLM.from_weights(self.config.replace(**changes), self.canonical_weights())
+
+    def module(self, params=None) -> Llama:
+        return nnx.merge(self.graphdef, self.params if params is None else params)
+
+    # -- contract ----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        shape = (c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim)
+        dt = c.compute_dtype if dtype is None else dtype
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
+
+    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
+        return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden)
+
+    @property
+    def jit_apply(self):
+        """``jax.jit(self.apply)`` (``return_hidden`` static), built once per model so that
+        callers outside a bigger jit share its compilation cache."""
+        if getattr(self, "_jit_apply", None) is None:
+            self._jit_apply = jax.jit(self.apply, static_argnames=("return_hidden",))
+        return self._jit_apply
+
+    def __call__(self, tokens, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
+        return self.apply(self.params, tokens, cache, return_hidden)
+
+    def __repr__(self) -> str:
+        return f"LlamaLM({self.config})"

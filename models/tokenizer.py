@@ -1,0 +1,166 @@
+"""Tokenizer built from GGUF metadata with HF ``tokenizers``, plus the ChatML template.
+
+``tokenizer.ggml.model == "gpt2"`` is byte-level BPE (vocab + merges). The pre-tokenizer
+follows llama.cpp's ``tokenizer.ggml.pre``: ``smollm`` (and ``starcoder``/``refact``) split
+every digit into its own piece first, then apply the GPT-2 byte-level regex; ``gpt2`` is the
+plain GPT-2 regex. Tokens of type CONTROL / USER_DEFINED are special (never split, parsed in
+input text, optionally skipped when decoding).
+
+The chat template is ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``); when the GGUF
+template injects a default system message (SmolLM2 does), so do we. If jinja2 is
+available, :meth:`Tokenizer.render_gguf_template` renders the file's own template, which
+the tests compare against.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional, Sequence
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp token types
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_DIGIT_FIRST_PRE = ("smollm", "starcoder", "refact", "default", "gpt2-digits")
+_GPT2_PRE = ("gpt2", "gpt-2")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in _DIGIT_FIRST_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _GPT2_PRE:
+        return byte_level
+    raise TokenizerError(
+        f"unsupported pre-tokenizer {pre!r}; supported: {', '.join(_DIGIT_FIRST_PRE + _GPT2_PRE)}"
+    )
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_id: Optional[int],
+        eos_id: int,
+        pad_id: Optional[int] = None,
+        unk_id: Optional[int] = None,
+        special_ids: Sequence[int] = (),
+        chat_template: Optional[str] = None,
+        add_bos: bool = False,
+    ):
+        self.hf = hf
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = eos_id if pad_id is None else pad_id
+        self.unk_id = unk_id
+        self.special_ids = tuple(sorted(set(special_ids)))
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        im_end = hf.token_to_id("<|im_end|>")
+        eot = hf.token_to_id("<|endoftext|>")
+        self.stop_ids = tuple(sorted({i for i in (eos_id, im_end, eot) if i is not None}))
+        self.default_system_prompt = _default_system_prompt(chat_template)
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path=None) -> "Tokenizer":
+        from models.gguf_loader import open_gguf, read_metadata
+
+        meta = read_metadata(open_gguf(path), include_big=True)
+        return cls.from_gguf_metadata(meta)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        types = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise TokenizerError("duplicate tokens in GGUF vocabulary")
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"))
+        hf.decoder = decoders.ByteLevel()
+        special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
+        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+        g = meta.get
+        return cls(
+            hf,
+            bos_id=g("tokenizer.ggml.bos_token_id"),
+            eos_id=g("tokenizer.ggml.eos_token_id"),
+            pad_id=g("tokenizer.ggml.padding_token_id"),
+            unk_id=g("tokenizer.ggml.unknown_token_id"),
+            special_ids=special,
+            chat_template=g("tokenizer.chat_template"),
+            add_bos=bool(g("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    # -- encode / decode ---------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+        """Token ids; special tokens written in the text (``<|im_start|>``) map to their ids."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def encode_batch(self, texts: Iterable[str], add_bos: Optional[bool] = None) -> list[list[int]]:
+        return [self.encode(t, add_bos) for t in texts]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self.hf.id_to_token(int(i))
+
+    def token_to_id(self, t: str) -> Optional[int]:
+        return self.hf.token_to_id(t)
+
+    # -- chat ---------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, with the
+        template's default system message first when the conversation has none, and
+        ``<|im_start|>assistant\\n`` at the end if ``add_generation_prompt``."""
+        if isinstance(messages, dict):
+            messages = [messages]
+        parts = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise TokenizerError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if i == 0 and m["role"] != "system" and self.default_system_prompt is not None:
+                parts.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
+            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        text = "".join(parts)
+        return self.encode(text) if tokenize else text
+
+    def render_gguf_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Render the GGUF's own jinja template (needs jinja2); for checking the above."""
+        import jinja2
+
+        if self.chat_template is None:
+            raise TokenizerError("this tokenizer has no chat template")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        )
+
+
+def _default_system_prompt(template: Optional[str]) -> Optional[str]:
+    if not template:
+        return None
+    m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, flags=re.S)
+    return m.group(1) if m and "messages[0]['role'] != 'system'" in template else None

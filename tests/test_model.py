@@ -1,0 +1,287 @@
+"""Tiny random Llama models: the KV-cache contract of models.base, scan vs unrolled."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.base import KVCache, ModelOutput
+from models.llama import LlamaConfig, LlamaLM, RopeScaling, rope_inv_freq, tiny_config
+
+ATOL = 1e-5
+
+
+_JIT = {}
+
+
+def jitted(lm):
+    """One jitted apply per model (compiles once per shape)."""
+    if id(lm) not in _JIT:
+        _JIT[id(lm)] = (lm, jax.jit(lm.apply))
+    return _JIT[id(lm)][1]
+
+
+def full_logits(lm, tokens, max_len=32, pad_to=16):
+    """One forward over the whole sequence from an empty cache. The input is right-padded
+    to ``pad_to`` tokens (causal: padding never changes earlier logits) so that one
+    compilation serves every length."""
+    tokens = np.asarray(tokens, np.int32)
+    B, T = tokens.shape
+    padded = np.zeros((B, max(T, pad_to)), np.int32)
+    padded[:, :T] = tokens
+    return jitted(lm)(lm.params, jnp.asarray(padded), lm.init_cache(B, max_len)).logits[:, :T]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return LlamaLM.init(tiny_config(vocab_size=8, n_layers=2), seed=0)
+
+
+@pytest.fixture(scope="module")
+def seq():
+    return np.random.default_rng(0).integers(0, 8, size=(1, 12)).astype(np.int32)
+
+
+def test_protocol_shapes_and_dtypes(lm, seq):
+    assert lm.vocab_size == 8
+    cache = lm.init_cache(2, 16)
+    assert isinstance(cache, KVCache)
+    assert cache.k.shape == (2, 2, 16, 2, 8) and cache.max_len == 16
+    assert cache.lengths.dtype == jnp.int32
+    out = jax.jit(lm.apply, static_argnames="return_hidden")(
+        lm.params, jnp.asarray(np.repeat(seq[:, :5], 2, 0)), cache, return_hidden=True)
+    assert isinstance(out, ModelOutput)
+    assert out.logits.shape == (2, 5, 8) and out.logits.dtype == jnp.float32
+    assert out.hidden.shape == (2, 5, 16)
+    np.testing.assert_array_equal(out.cache.lengths, [5, 5])
+    # hidden is after the final norm: the (tied) head applied to it gives the logits
+    emb = lm.canonical_weights()["embed"]  # [V, D]
+    np.testing.assert_allclose(out.hidden @ emb.T, out.logits, atol=1e-5)
+    assert jitted(lm)(lm.params, jnp.asarray(seq[:, :3]), lm.init_cache(1, 8)).hidden is None
+
+
+def test_cached_decode_equals_full_forward(lm, seq):
+    ref = full_logits(lm, seq)
+    step = jitted(lm)
+    # prefill 4 tokens, then 8 single-token steps
+    out = step(lm.params, jnp.asarray(seq[:, :4]), lm.init_cache(1, 32))
+    got = [out.logits]
+    cache = out.cache
+    for t in range(4, 12):
+        out = step(lm.params, jnp.asarray(seq[:, t : t + 1]), cache)
+        got.append(out.logits)
+        cache = out.cache
+    np.testing.assert_allclose(np.concatenate(got, 1), ref, atol=ATOL)
+    assert int(cache.lengths[0]) == 12
+    # mixed chunk sizes
+    cache, got = lm.init_cache(1, 32), []
+    for a, b in [(0, 3), (3, 4), (4, 9), (9, 12)]:
+        out = step(lm.params, jnp.asarray(seq[:, a:b]), cache)
+        got.append(out.logits)
+        cache = out.cache
+    np.testing.assert_allclose(np.concatenate(got, 1), ref, atol=ATOL)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rollback_equals_never_fed(lm, seq, batch):
+    """Verify K+1 = 4 tokens, accept 1, roll back; the next multi-token step must equal a
+    model that never saw the rejected tokens (stale slots are never read)."""
+    toks = np.repeat(seq, batch, 0)
+    prefix, verify_block = toks[:, :5], toks[:, 5:9]
+    step = jitted(lm)
+    c = step(lm.params, jnp.asarray(prefix), lm.init_cache(batch, 32)).cache
+    c = step(lm.params, jnp.asarray(verify_block), c).cache  # writes slots 5..8
+    c = c.with_lengths(c.lengths - 3)  # keep 1 of 4: lengths 6
+    nxt = np.array([[7, 0, 3]] * batch, np.int32)
+    got = step(lm.params, jnp.asarray(nxt), c)
+    ref = full_logits(lm, np.concatenate([toks[:, :6], nxt], 1))[:, 6:]
+    np.testing.assert_allclose(got.logits, ref, atol=ATOL)
+    np.testing.assert_array_equal(got.cache.lengths, [9] * batch)
+
+
+def test_ragged_rows(lm):
+    """Rows at different lengths in one batch: padded prefill, lengths set to the true
+    prompt lengths, then T=3 steps; each row equals its own single-row forward."""
+    rng = np.random.default_rng(1)
+    plens = [2, 6, 4]
+    bucket = 6
+    prompts = [rng.integers(0, 8, size=n).astype(np.int32) for n in plens]
+    padded = np.stack([np.pad(p, (0, bucket - len(p)), constant_values=5) for p in prompts])
+    step = jitted(lm)
+    out = step(lm.params, jnp.asarray(padded), lm.init_cache(3, 32))
+    for b, n in enumerate(plens):  # prompt logits of the true tokens are right despite padding
+        np.testing.assert_allclose(out.logits[b, :n], full_logits(lm, prompts[b][None])[0], atol=ATOL)
+    cache = out.cache.with_lengths(jnp.asarray(plens, jnp.int32))
+    conts = rng.integers(0, 8, size=(3, 6)).astype(np.int32)
+    got = []
+    for a in (0, 3):
+        out = step(lm.params, jnp.asarray(conts[:, a : a + 3]), cache)
+        got.append(out.logits)
+        cache = out.cache
+    got = np.concatenate(got, 1)
+    np.testing.assert_array_equal(cache.lengths, np.asarray(plens) + 6)
+    for b in range(3):
+        ref = full_logits(lm, np.concatenate([prompts[b], conts[b]])[None])[0, plens[b] :]
+        np.testing.assert_allclose(got[b], ref, atol=ATOL)
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_scan_equals_unrolled(seq, chunk):
+    cfg = tiny_config(vocab_size=8, n_layers=3, attn_chunk=chunk)
+    lm_u = LlamaLM.init(cfg, seed=3)
+    lm_s = lm_u.with_config(scan_layers=True)
+    assert lm_s.config.scan_layers and not lm_u.config.scan_layers
+    assert lm_s.params["layers"]["wqkv"][...].shape[0] == 3  # stacked on a layers axis
+    for lm_ in (lm_u, lm_s):
+        assert lm_.params is not None
+    cu, cs = lm_u.init_cache(1, 32), lm_s.init_cache(1, 32)
+    for a, b in [(0, 5), (5, 6)]:
+        ou = jitted(lm_u)(lm_u.params, jnp.asarray(seq[:, a:b]), cu)
+        os_ = jitted(lm_s)(lm_s.params, jnp.asarray(seq[:, a:b]), cs)
+        np.testing.assert_allclose(ou.logits, os_.logits, atol=ATOL)
+        np.testing.assert_allclose(ou.cache.k, os_.cache.k, atol=ATOL)
+        cu, cs = ou.cache, os_.cache
+    # weights survive the round trip through both layouts
+    wu, ws = lm_u.canonical_weights(), lm_s.canonical_weights()
+    for k in wu:
+        np.testing.assert_array_equal(wu[k], ws[k])
+
+
+def test_random_init_is_seeded():
+    cfg = tiny_config()
+    a = LlamaLM.init(cfg, 0).canonical_weights()
+    b = LlamaLM.init(cfg, 0).canonical_weights()
+    c = LlamaLM.init(cfg, 1).canonical_weights()
+    np.testing.assert_array_equal(a["wq"], b["wq"])
+    assert not np.array_equal(a["wq"], c["wq"])
+
+
+def test_untied_head_and_canonical_round_trip(seq):
+    cfg = tiny_config(vocab_size=8, n_layers=2, tie_embeddings=False)
+    lm = LlamaLM.init(cfg, seed=5)
+    w = lm.canonical_weights()
+    assert "lm_head" in w and not np.array_equal(w["lm_head"], w["embed"])
+    lm2 = LlamaLM.from_weights(cfg, w)
+    np.testing.assert_array_equal(full_logits(lm, seq), full_logits(lm2, seq))
+    # changing the head changes the logits (it is really used)
+    w["lm_head"] = w["lm_head"] * 2
+    assert not np.allclose(full_logits(LlamaLM.from_weights(cfg, w), seq), full_logits(lm, seq))
+
+
+def test_pure_inside_while_loop_and_scan(lm, seq):
+    """apply is a pure function of params usable in lax.scan / lax.while_loop."""
+    toks = jnp.asarray(seq[0, :8])
+
+    @jax.jit
+    def decode_scan(params, cache):
+        def body(c, tok):
+            out = lm.apply(params, tok[None, None], c)
+            return out.cache, out.logits[0, 0]
+
+        return jax.lax.scan(body, cache, toks)
+
+    @jax.jit
+    def decode_while(params, cache):
+        def cond(s):
+            return s[0] < 8
+
+        def body(s):
+            i, c, acc = s
+            out = lm.apply(params, jax.lax.dynamic_slice(toks, (i,), (1,))[None], c)
+            return i + 1, out.cache, acc.at[i].set(out.logits[0, 0])
+
+        return jax.lax.while_loop(cond, body, (0, cache, jnp.zeros((8, 8), jnp.float32)))[2]
+
+    ref = full_logits(lm, seq[:, :8])[0]
+    _, ls = decode_scan(lm.params, lm.init_cache(1, 16))
+    np.testing.assert_allclose(ls, ref, atol=ATOL)
+    np.testing.assert_allclose(decode_while(lm.params, lm.init_cache(1, 16)), ref, atol=ATOL)
+
+
+def test_logical_axis_names(lm):
+    specs = nnx.get_partition_spec(lm.params)
+    names = set()
+    for leaf in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
+        names.update(n for n in leaf if n is not None)
+    assert names <= {"embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers"}
+    assert {"embed", "heads", "kv_heads", "head_dim", "mlp", "vocab"} <= names
+    scanned = lm.with_config(scan_layers=True)
+    assert tuple(nnx.get_partition_spec(scanned.params)["layers"]["w_down"].get_value()) == ("layers", "mlp", "embed")
+
+
+def test_bfloat16_compute_runs(lm, seq):
+    lm16 = lm.with_config(dtype="bfloat16", param_dtype="bfloat16")
+    out = lm16(jnp.asarray(seq[:, :6]), lm16.init_cache(1, 16))
+    assert out.logits.dtype == jnp.float32 and out.cache.k.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.logits, full_logits(lm, seq[:, :6]), atol=0.15)
+
+
+def test_tokens_past_the_cache_are_dropped_not_clamped(lm, seq):
+    """Writing beyond max_len must not overwrite earlier slots (engine guards against it)."""
+    for batch in (1, 2):
+        toks = jnp.asarray(np.repeat(seq[:, :6], batch, 0))
+        c = jitted(lm)(lm.params, toks, lm.init_cache(batch, 8)).cache
+        c2 = jitted(lm)(lm.params, toks[:, :4], c).cache  # slots 6..9: 8, 9 do not exist
+        np.testing.assert_array_equal(c2.k[:, :, :6], c.k[:, :, :6])
+
+
+def test_config_validation_and_rope_scaling():
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        tiny_config(n_heads=3, n_kv_heads=2)
+    with pytest.raises(ValueError, match="dtype"):
+        tiny_config(dtype="float64")
+    with pytest.raises(ValueError, match="positive int"):
+        tiny_config(dim=0)
+    cfg = tiny_config(head_dim=64, rope_theta=500000.0,
+                      rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192})
+    assert isinstance(cfg.rope_scaling, RopeScaling)
+    hash(cfg)  # frozen and hashable (usable as a static jit argument)
+    base = rope_inv_freq(cfg.replace(rope_scaling=None))
+    scaled = rope_inv_freq(cfg)
+    # llama3: high frequencies untouched, low frequencies divided by the factor
+    np.testing.assert_allclose(scaled[:4], base[:4], rtol=1e-6)
+    np.testing.assert_allclose(scaled[-4:], base[-4:] / 8.0, rtol=1e-6)
+    assert isinstance(cfg, LlamaConfig)
+
+
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_chunked_attention_equals_one_pass(chunk):
+    """attn_chunk reads the cache in chunks up to the longest row (online softmax); it must
+    match one pass over all slots: ragged rows, a max_len that is not a multiple of the
+    chunk (last chunk overlaps), rows that reach the very last slot."""
+    cfg = tiny_config(vocab_size=8, n_layers=2)
+    one = LlamaLM.init(cfg.replace(attn_chunk=0), seed=7)
+    chk = one.with_config(attn_chunk=chunk)
+    rng = np.random.default_rng(3)
+    S = 30
+    toks = rng.integers(0, 8, size=(3, 12)).astype(np.int32)
+    lens = jnp.asarray([3, 12, 7], jnp.int32)
+    c1 = jitted(one)(one.params, jnp.asarray(toks), one.init_cache(3, S)).cache.with_lengths(lens)
+    c2 = jitted(chk)(chk.params, jnp.asarray(toks), chk.init_cache(3, S)).cache.with_lengths(lens)
+    seq1, got1 = list(toks[1]), []
+    for _ in range(6):  # lengths grow to 3+18, 12+18 = 30 (row 1 fills the last slot), 7+18
+        t = rng.integers(0, 8, size=(3, 3)).astype(np.int32)
+        o1 = jitted(one)(one.params, jnp.asarray(t), c1)
+        o2 = jitted(chk)(chk.params, jnp.asarray(t), c2)
+        np.testing.assert_allclose(o1.logits, o2.logits, atol=ATOL)
+        c1, c2 = o1.cache, o2.cache
+        seq1 += list(t[1])
+        got1.append(o2.logits[1])
+    np.testing.assert_array_equal(c2.lengths, [21, 30, 25])
+    ref = full_logits(one, np.asarray(seq1)[None])[0, 12:]
+    np.testing.assert_allclose(np.concatenate(got1), ref, atol=ATOL)
+
+
+def test_constrain_hooks_only_with_a_mesh(lm):
+    """Block-boundary sharding constraints: absent without a mesh, present (and harmless)
+    under a mesh with logical axis rules."""
+    toks, cache = jnp.zeros((1, 3), jnp.int32), lm.init_cache(1, 8)
+    f = jax.jit(lambda p, t, c: lm.apply(p, t, c).logits)
+    assert "sharding_constraint" not in f.lower(lm.params, toks, cache).as_text()
+    ref = f(lm.params, toks, cache)
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules([("batch", "data"), ("embed", "model")]):
+        g = jax.jit(lambda p, t, c: lm.apply(p, t, c).logits)
+        assert "sharding_constraint" in g.lower(lm.params, toks, cache).as_text()
+        np.testing.assert_allclose(g(lm.params, toks, cache), ref, atol=1e-6)
