@@ -20,6 +20,7 @@ position (see ``specjax.keys``). Nothing depends on the row's slot in the batch.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Optional, Sequence
@@ -248,17 +249,101 @@ def _initial_state(prompt_buf, prompt_lens, out_cap, seq_cap, vocab_size, max_ne
 
 
 # --------------------------------------------------------------------------------------
+# optional sharding (specjax.sharding.MeshPlan): no-ops when the engine has none
+
+_LOGITS = ("batch", None, "vocab")
+_STATE_NAMES = {"counts": ("batch", "vocab")}  # every other state entry: rows over `batch`
+
+
+class _Sharded:
+    """Mixin: placement of inputs and constraints inside the trace for ``self.sharding``."""
+
+    sharding = None
+
+    def _c(self, x, names, role="target"):
+        return x if self.sharding is None else self.sharding.constrain(x, names, role)
+
+    def _c_cache(self, cache, role="target"):
+        return cache if self.sharding is None else self.sharding.constrain_caches(cache, role)
+
+    def _c_state(self, state):
+        if self.sharding is None:
+            return state
+        return {k: self.sharding.constrain(v, _STATE_NAMES.get(k, ("batch",) + (None,) * (v.ndim - 1)))
+                for k, v in state.items()}
+
+    def _c_out(self, out):
+        """Outputs replicated: every host can read them (multi-host ``device_get``)."""
+        return out if self.sharding is None else self.sharding.constrain_replicated(out)
+
+    def _role(self, role):
+        return contextlib.nullcontext() if self.sharding is None else self.sharding.role(role)
+
+    def _context(self):
+        return contextlib.nullcontext() if self.sharding is None else self.sharding.context()
+
+    def _placed(self, params, role):
+        """Parameters in the shardings the rules give (moved there if they are not)."""
+        if self.sharding is None or params is None:
+            return params
+        from specjax.sharding import param_shardings
+
+        def place(a, sh):
+            if getattr(a, "sharding", None) == sh:
+                return a
+            if isinstance(a, jax.ShapeDtypeStruct):  # abstract parameters (AOT lowering)
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            return jax.device_put(a, sh)
+
+        return jax.tree.map(place, params, param_shardings(params, self.sharding, role))
+
+    def _pad_rows(self, buf, lens, rk, params, max_new):
+        """Pad the batch to a multiple of the ``data`` axis with rows that emit nothing."""
+        b = buf.shape[0]
+        d = 1 if self.sharding is None else self.sharding.data_size
+        extra = (-b) % d
+        if not extra:
+            return buf, lens, rk, params, max_new
+        rep = np.concatenate([np.arange(b), np.zeros(extra, np.int64)])
+        rk = rk[jnp.asarray(rep)]
+        params = jax.tree.map(lambda a: jnp.asarray(a)[rep], params)
+        max_new = np.concatenate([max_new, np.zeros(extra, max_new.dtype)])
+        return buf[rep], lens[rep], rk, params, max_new
+
+    def _put(self, rows, replicated):
+        """Host arrays -> global arrays: ``rows`` over ``data``, ``replicated`` everywhere."""
+        if self.sharding is None:
+            return ([jax.tree.map(jnp.asarray, r) for r in rows],
+                    [jax.tree.map(jnp.asarray, r) for r in replicated])
+        return ([self.sharding.put_rows(r) for r in rows],
+                [self.sharding.put_replicated(r) for r in replicated])
+
+
+def _trim_rows(out: "GenerateOutput", b: int) -> "GenerateOutput":
+    if len(out.tokens) == b:
+        return out
+    raw = {k: (v[:b] if isinstance(v, np.ndarray) and v.ndim else v) for k, v in out.raw.items()}
+    return GenerateOutput(tokens=out.tokens[:b], stats=None if out.stats is None else out.stats[:b],
+                          finished_by_stop=out.finished_by_stop[:b], raw=raw)
+
+
+# --------------------------------------------------------------------------------------
 # the engine
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(_Sharded):
     """Holds the static parts (models, proposer, K, method) and one jitted program.
 
     Calls that differ only in prompt content, sampling values, seeds or lengths within the
     same buckets reuse the compiled program; ``trace_count`` counts traces.
+
+    ``sharding`` (a :class:`specjax.sharding.MeshPlan`, optional): run the whole program
+    on its mesh: batch rows and KV caches over ``data``, the target's parameters and
+    logits by the plan's rules (tensor-parallel over ``model``); verification then runs
+    on vocabulary-sharded log-probs. Outputs are the same as without a mesh.
     """
 
-    def __init__(self, target, proposer, k: int, method: str = "token"):
+    def __init__(self, target, proposer, k: int, method: str = "token", *, sharding=None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(k, int) or k < 1:
@@ -273,6 +358,7 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.k = k
         self.method = method
+        self.sharding = sharding
         self.trace_count = 0
         self._run = jax.jit(self._impl, static_argnames=("out_cap", "cache_len"))
 
@@ -290,13 +376,16 @@ class SpeculativeEngine:
             params = params.replace(temperature=jnp.zeros_like(params.temperature))
 
         # prefill: the target keeps KV for s[:L-1]
-        tcache = tgt.init_cache(b, cache_len)
+        tcache = self._c_cache(tgt.init_cache(b, cache_len))
         pre = tgt.apply(target_params, prompt_buf, tcache, return_hidden=want_hidden)
-        tcache = pre.cache.with_lengths(self._target_cache_lengths(prompt_lens))
-        pstate = prop.init(draft_params, prompt_buf, prompt_lens, cache_len,
-                           pre.hidden if want_hidden else None)
+        tcache = self._c_cache(pre.cache.with_lengths(self._target_cache_lengths(prompt_lens)))
+        with self._role("draft"):
+            pstate = prop.init(draft_params, prompt_buf, prompt_lens, cache_len,
+                               pre.hidden if want_hidden else None)
+        pstate = self._c_cache(pstate, "draft")
 
         state = _initial_state(prompt_buf, prompt_lens, out_cap + k + 1, cache_len + k + 1, v, max_new)
+        state = self._c_state(state)
         stats = dict(
             rounds=jnp.zeros((b,), jnp.int32),
             drafted=jnp.zeros((b,), jnp.int32),
@@ -324,8 +413,10 @@ class SpeculativeEngine:
                 seq=state["seq"], seq_len=state["seq_len"], params=params, counts=state["counts"],
                 round_keys=rkeys, use_penalties=use_penalties,
             )
-            prop_out = prop.propose(draft_params, pstate, ctx)
+            with self._role("draft"):
+                prop_out = prop.propose(draft_params, pstate, ctx)
             x, q_lp, nd = prop_out.tokens, prop_out.logprobs, prop_out.num_draft
+            q_lp = self._c(q_lp, _LOGITS)  # laid out like the target's (vocab-sharded)
             nd = jnp.where(active, nd, 0)
             last = _gather_rows(state["seq"], state["seq_len"] - 1)
 
@@ -343,6 +434,7 @@ class SpeculativeEngine:
 
             # a round where no row proposed anything costs one single-token target step
             t_logits, t_hidden, tcache = jax.lax.cond(jnp.any(nd > 0), score_full, score_one, None)
+            t_logits, tcache = self._c(t_logits, _LOGITS), self._c_cache(tcache)
 
             # the same pipeline, same order, for the target at each of the K+1 positions:
             # the history at position i includes the draft tokens x_1..x_{i}
@@ -350,7 +442,7 @@ class SpeculativeEngine:
             oh = jax.nn.one_hot(xv, v, dtype=jnp.int32) * (jnp.arange(k)[None, :] < nd[:, None])[..., None]
             pos_counts = state["counts"][:, None, :] + jnp.concatenate(
                 [jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(oh, axis=1)], axis=1)
-            p_lp = process_rows(t_logits, params, pos_counts, use_penalties)
+            p_lp = self._c(process_rows(t_logits, params, pos_counts, use_penalties), _LOGITS)
 
             if self.method == "greedy":
                 res = jax.vmap(V_.greedy_verify)(x, p_lp, nd)
@@ -364,9 +456,12 @@ class SpeculativeEngine:
             # the proposer sees the target's final hidden states of this forward: entries
             # 0..n_acc are those after s[L-1], x_1..x_n (committed tokens); the rest are stale
             num_new = jnp.where(active & ~res.error, n_acc + 1, 0)
-            pstate = prop.commit(draft_params, prop_out.state, CommitContext(
-                seq=state["seq"], seq_len=state["seq_len"],
-                target_hidden=t_hidden if want_hidden else None, num_new=num_new))
+            with self._role("draft"):
+                pstate = prop.commit(draft_params, prop_out.state, CommitContext(
+                    seq=state["seq"], seq_len=state["seq_len"],
+                    target_hidden=t_hidden if want_hidden else None, num_new=num_new))
+            pstate = self._c_cache(pstate, "draft")
+            state = self._c_state(state)
 
             # statistics (active rows only)
             pos = jnp.arange(k)[None, :]
@@ -386,10 +481,11 @@ class SpeculativeEngine:
 
         carry = (state, stats, tcache, pstate, jnp.int32(0))
         state, stats, _, pstate, _ = jax.lax.while_loop(cond, body, carry)
-        return dict(
+        out = self._c_out(dict(
             tokens=state["out"][:, :out_cap], gen_len=state["gen_len"], stopped=state["stopped"],
-            error=state["error"], proposer_state=pstate, **stats,
-        )
+            error=state["error"], **stats,
+        ))
+        return dict(out, proposer_state=pstate)
 
     @staticmethod
     def _target_cache_lengths(seq_len):
@@ -399,6 +495,24 @@ class SpeculativeEngine:
     # -- host API ---------------------------------------------------------------------
     def generate(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
                  max_new_tokens=64, stop_tokens=None, raise_on_error=True) -> GenerateOutput:
+        args, static, b = self._prepare(prompts, keys=keys, seed=seed, row_indices=row_indices,
+                                        sampling_params=sampling_params,
+                                        max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+        with self._context():
+            res = self._run(*args, **static)
+        out = _to_output(res, with_stats=True, k=self.k, raise_on_error=raise_on_error)
+        return _trim_rows(out, b)
+
+    def lower(self, prompts, **kwargs):
+        """Ahead-of-time: ``jax.jit(...).lower`` of the program ``generate`` would run with
+        these arguments (the models' params may be abstract ``jax.ShapeDtypeStruct``s);
+        ``.compile()`` it for the compiled HLO and its memory analysis."""
+        args, static, _ = self._prepare(prompts, **kwargs)
+        with self._context():
+            return self._run.lower(*args, **static)
+
+    def _prepare(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
+                 max_new_tokens=64, stop_tokens=None):
         tgt = self.target
         v = tgt.vocab_size
         buf, lens = _prepare_prompts(prompts, v, max(1, self.proposer.min_prompt_len))
@@ -416,12 +530,13 @@ class SpeculativeEngine:
             )
         rk = _prepare_keys(keys, seed, row_indices, b)
         stops = _stop_array(stop_tokens, v)
-        res = self._run(
-            tgt.params, self.proposer.params, jnp.asarray(buf), jnp.asarray(lens), rk, params,
-            jnp.asarray(max_new), jnp.asarray(stops), jnp.asarray(_use_penalties(params)),
-            out_cap=out_cap, cache_len=cache_len,
-        )
-        return _to_output(res, with_stats=True, k=self.k, raise_on_error=raise_on_error)
+        pen = _use_penalties(params)
+        buf, lens, rk, params, max_new = self._pad_rows(buf, lens, rk, params, max_new)
+        (buf, lens, rk, params, max_new), (stops, pen) = self._put(
+            [buf, lens, rk, params, max_new], [stops, np.asarray(pen)])
+        args = (self._placed(tgt.params, "target"), self._placed(self.proposer.params, "draft"),
+                buf, lens, rk, params, max_new, stops, pen)
+        return args, dict(out_cap=out_cap, cache_len=cache_len), b
 
 
 def _gather_rows_vec(x, idx):
@@ -466,14 +581,16 @@ def _to_output(res, *, with_stats, k, raise_on_error):
 # the autoregressive baseline
 
 
-class AutoregressiveEngine:
+class AutoregressiveEngine(_Sharded):
     """Plain sampling from the target, same pipeline and API: the baseline for speed and law.
 
-    Step t of a row draws its token with ``derive(row_key, t, TARGET, 0)``.
+    Step t of a row draws its token with ``derive(row_key, t, TARGET, 0)``. ``sharding``:
+    as for :class:`SpeculativeEngine`.
     """
 
-    def __init__(self, target):
+    def __init__(self, target, *, sharding=None):
         self.target = target
+        self.sharding = sharding
         self.trace_count = 0
         self._run = jax.jit(self._impl, static_argnames=("out_cap", "cache_len", "greedy"))
 
@@ -485,9 +602,10 @@ class AutoregressiveEngine:
         v = tgt.vocab_size
         if greedy:
             params = params.replace(temperature=jnp.zeros_like(params.temperature))
-        tcache = tgt.init_cache(b, cache_len)
+        tcache = self._c_cache(tgt.init_cache(b, cache_len))
         tcache = tgt.apply(target_params, prompt_buf, tcache).cache.with_lengths(prompt_lens - 1)
-        state = _initial_state(prompt_buf, prompt_lens, out_cap + 1, cache_len + 1, v, max_new)
+        tcache = self._c_cache(tcache)
+        state = self._c_state(_initial_state(prompt_buf, prompt_lens, out_cap + 1, cache_len + 1, v, max_new))
 
         def cond(carry):
             return ~jnp.all(carry[0]["done"])
@@ -496,16 +614,18 @@ class AutoregressiveEngine:
             state, tcache, t = carry
             last = _gather_rows(state["seq"], state["seq_len"] - 1)
             o = tgt.apply(target_params, last[:, None], tcache.with_lengths(state["seq_len"] - 1))
-            lp = process_rows(o.logits[:, 0], params, state["counts"], use_penalties)
+            logits = self._c(o.logits, _LOGITS)[:, 0]
+            lp = self._c(process_rows(logits, params, state["counts"], use_penalties), ("batch", "vocab"))
             ks = jax.vmap(lambda kk: K_.derive(kk, t, K_.TARGET, 0))(row_keys)
             x = sample_rows(ks, lp)
             err = jnp.any(jnp.isnan(lp), axis=-1)
             state, _ = _commit(state, x[:, None], jnp.ones((b,), jnp.int32), stop_ids, max_new, err)
-            return state, o.cache.with_lengths(state["seq_len"] - 1), t + 1
+            return (self._c_state(state), self._c_cache(o.cache.with_lengths(state["seq_len"] - 1)),
+                    t + 1)
 
         state, _, _ = jax.lax.while_loop(cond, body, (state, tcache, jnp.int32(0)))
-        return dict(tokens=state["out"][:, :out_cap], gen_len=state["gen_len"], stopped=state["stopped"],
-                    error=state["error"])
+        return self._c_out(dict(tokens=state["out"][:, :out_cap], gen_len=state["gen_len"],
+                                stopped=state["stopped"], error=state["error"]))
 
     def generate(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
                  max_new_tokens=64, stop_tokens=None, greedy=False, raise_on_error=True) -> GenerateOutput:
@@ -522,12 +642,16 @@ class AutoregressiveEngine:
         if limit is not None and need > limit:
             raise ValueError(f"prompt + max_new_tokens = {need} exceeds the model's context of {limit} tokens")
         rk = _prepare_keys(keys, seed, row_indices, b)
-        res = self._run(
-            tgt.params, jnp.asarray(buf), jnp.asarray(lens), rk, params, jnp.asarray(max_new),
-            jnp.asarray(_stop_array(stop_tokens, v)), jnp.asarray(_use_penalties(params)),
-            out_cap=out_cap, cache_len=cache_len, greedy=bool(greedy),
-        )
-        return _to_output(res, with_stats=False, k=0, raise_on_error=raise_on_error)
+        pen = _use_penalties(params)
+        buf, lens, rk, params, max_new = self._pad_rows(buf, lens, rk, params, max_new)
+        (buf, lens, rk, params, max_new), (stops, pen) = self._put(
+            [buf, lens, rk, params, max_new], [_stop_array(stop_tokens, v), np.asarray(pen)])
+        with self._context():
+            res = self._run(
+                self._placed(tgt.params, "target"), buf, lens, rk, params, max_new, stops, pen,
+                out_cap=out_cap, cache_len=cache_len, greedy=bool(greedy),
+            )
+        return _trim_rows(_to_output(res, with_stats=False, k=0, raise_on_error=raise_on_error), b)
 
 
 # --------------------------------------------------------------------------------------

@@ -279,9 +279,10 @@ def test_bad_input_is_rejected_before_work(target, draft):
 
 
 def test_nan_logits_raise_not_sample(draft):
-    bad = LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=1)
-    params = jax.tree.map(lambda a: a * jnp.nan if a.ndim == 2 and a.shape[0] == V else a, bad.params)
-    bad = LlamaLM(bad.config, bad.graphdef, params)
+    good = LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=1)
+    w = good.canonical_weights()
+    w["final_norm"] = w["final_norm"] * np.nan
+    bad = LlamaLM.from_weights(good.config, w)
     with pytest.raises(FloatingPointError):
         engine.generate(bad, draft, [[1, 2, 3]], k=2, seed=0, max_new_tokens=5)
     with pytest.raises(FloatingPointError):
