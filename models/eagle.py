@@ -1,0 +1,396 @@
+"""EAGLE-style feature head (Flax NNX): a one- or two-layer draft that reads the target's
+final hidden states.
+
+At sequence position t the head takes the pair ``(h_t, x_{t+1})``: ``h_t`` the target's
+final hidden state (after its final norm) once it has read ``s[:t+1]``, and the next token.
+It predicts ``h_{t+1}``; the logits of ``s[t+2]`` are the predicted hidden state times the
+target's (frozen) output head::
+
+    concat(h_t, embed(x_{t+1}))  [2D] -> fc [2D -> D] -> Llama decoder layer(s) (:class:`Layer`,
+    own KV cache, RoPE position t) -> RMSNorm -> h_hat_{t+1} -> h_hat @ head.T -> logits
+
+The target's embedding and head are held as :class:`Frozen` variables (never trained,
+never exported: :func:`EagleModel.trainable_weights` is what a draft file holds).
+Optionally the head scores only a subset of the vocabulary (``token_map``: the most
+frequent tokens); every other token gets probability 0, which keeps speculative sampling
+exact (the verifier only needs the true q) and cuts the draft's head cost.
+
+:meth:`EagleModel.apply` is the cached step the proposer uses; :meth:`EagleModel.unrolled`
+is the teacher-forced training / evaluation pass that also trains (and measures) draft
+positions 2..n, where the head is fed its OWN predicted features: step j at position p
+attends to the true-feature keys of positions <= p-j+1 and to the keys of steps 2..j along
+its own chain (a diagonal mask over an ``n * T``-slot cache), exactly what the proposer
+sees at draft position j.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.base import KVCache
+from models.llama import LlamaConfig, RopeScaling, apply_rope, rms_norm, rope_tables
+
+# canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
+# the same names as models.llama's canonical weights
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def _np(x):
+    return np.asarray(jax.device_get(x))
+
+
+def _param(value, names: tuple) -> nnx.Param:
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def _masked_attention(q, k, v, mask):
+    """q [B,T,N,H], k/v [B,S,Nkv,H], mask bool[B,T,S] -> [B,T,N,H]."""
+    B, T, N, H = q.shape
+    nkv = k.shape[2]
+    q = q.reshape(B, T, nkv, N // nkv, H)
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(H)
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, N, H).astype(q.dtype)
+
+
+class Layer(nnx.Module):
+    """A Llama decoder layer with an explicit attention mask (weights kept [in, out])."""
+
+    def __init__(self, cfg: LlamaConfig, w: Mapping[str, Any]):
+        self.cfg = cfg
+        pd = cfg.weight_dtype
+        t = lambda a: jnp.asarray(np.ascontiguousarray(_np(a).T), pd)
+        self.attn_norm = _param(jnp.asarray(w["attn_norm"], pd), ("embed",))
+        self.mlp_norm = _param(jnp.asarray(w["mlp_norm"], pd), ("embed",))
+        self.wq = _param(t(w["wq"]), ("embed", "heads"))
+        self.wk = _param(t(w["wk"]), ("embed", "kv_heads"))
+        self.wv = _param(t(w["wv"]), ("embed", "kv_heads"))
+        self.wo = _param(t(w["wo"]), ("heads", "embed"))
+        self.w_gate = _param(t(w["w_gate"]), ("embed", "mlp"))
+        self.w_up = _param(t(w["w_up"]), ("embed", "mlp"))
+        self.w_down = _param(t(w["w_down"]), ("mlp", "embed"))
+
+    def canonical(self) -> dict:
+        out = {k: _np(getattr(self, k)[...]).T.copy() for k in
+               ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+        out["attn_norm"] = _np(self.attn_norm[...])
+        out["mlp_norm"] = _np(self.mlp_norm[...])
+        return out
+
+    def __call__(self, x, k_all, v_all, layer, slots, cos, sin, mask):
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        B, T, D = x.shape
+        N, Nkv, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
+        q = apply_rope((h @ self.wq[...].astype(dt)).reshape(B, T, N, H), cos, sin)
+        k = apply_rope((h @ self.wk[...].astype(dt)).reshape(B, T, Nkv, H), cos, sin)
+        v = (h @ self.wv[...].astype(dt)).reshape(B, T, Nkv, H)
+        b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        k_all = k_all.at[layer, b_idx, slots].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[layer, b_idx, slots].set(v.astype(v_all.dtype), mode="drop")
+        o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
+        x = x + o.reshape(B, T, N * H) @ self.wo[...].astype(dt)
+        h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
+        a = jax.nn.silu(h @ self.w_gate[...].astype(dt)) * (h @ self.w_up[...].astype(dt))
+        return x + a @ self.w_down[...].astype(dt), k_all, v_all
+
+
+class Frozen(nnx.Variable):
+    """A variable the trainer never differentiates (the target's embedding / head)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Shape of an EAGLE head. ``dim`` and ``vocab_size`` must be the target's."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int = 1
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    ffn_dim: int = 1024
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    norm_eps: float = 1e-5
+    vocab_subset: int = 0  # 0: the full vocabulary; else the size of token_map
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"EagleConfig.{f} must be a positive int, got {v!r}")
+        if not isinstance(self.vocab_subset, (int, np.integer)) or not 0 <= self.vocab_subset <= self.vocab_size:
+            raise ValueError(f"EagleConfig.vocab_subset must be in [0, vocab_size={self.vocab_size}], "
+                             f"got {self.vocab_subset!r}")
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        self.layer_config()  # validates heads / dtypes
+
+    @classmethod
+    def for_target(cls, target_cfg: LlamaConfig, **overrides) -> "EagleConfig":
+        """Same width, heads, RoPE and norm as the target (one layer by default)."""
+        base = dict(
+            vocab_size=target_cfg.vocab_size, dim=target_cfg.dim, n_heads=target_cfg.n_heads,
+            n_kv_heads=target_cfg.n_kv_heads, head_dim=target_cfg.head_dim, ffn_dim=target_cfg.ffn_dim,
+            rope_theta=target_cfg.rope_theta, rope_scaling=target_cfg.rope_scaling,
+            norm_eps=target_cfg.norm_eps,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, ffn_dim=self.ffn_dim,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
+            dtype=self.dtype, param_dtype=self.param_dtype, name="eagle",
+        )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "EagleConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(d) - names)
+        if extra:
+            raise ValueError(f"unknown EagleConfig fields {extra}")
+        return cls(**dict(d))
+
+
+def target_head(target) -> np.ndarray:
+    """The target's output head [V, D] (its embedding when tied)."""
+    w = target.canonical_weights()
+    return w["embed"] if target.config.tie_embeddings else w["lm_head"]
+
+
+def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True) -> dict:
+    """Random trainable weights: fc [2D, D] ([in, out]), out_norm [D], canonical layers.
+
+    ``copy_feature``: fc starts as "pass the feature through" (the head first predicts
+    h_{t+1} ~ h_t); otherwise fc is a plain random matrix."""
+    lcfg = cfg.layer_config()
+    D, F, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
+    NH, KH = lcfg.n_heads * lcfg.head_dim, lcfg.n_kv_heads * lcfg.head_dim
+    shapes = dict(wq=(L, NH, D), wk=(L, KH, D), wv=(L, KH, D), wo=(L, D, NH), w_gate=(L, F, D),
+                  w_up=(L, F, D), w_down=(L, D, F))
+    keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
+    layers = {n: jax.random.normal(kk, s, jnp.float32) / math.sqrt(s[-1])
+              for kk, (n, s) in zip(keys[1:], sorted(shapes.items()))}
+    layers["attn_norm"] = np.ones((L, D), np.float32)
+    layers["mlp_norm"] = np.ones((L, D), np.float32)
+    k = keys[0]
+    # fc starts as "take the feature half" plus a small embedding contribution
+    fc = np.concatenate([np.eye(D, dtype=np.float32),
+                         np.asarray(jax.random.normal(k, (D, D), jnp.float32)) * (0.1 / math.sqrt(D))])
+    out = {n: _np(layers[n]) for n in LAYER_KEYS}
+    # small residual branches at the start: the head begins close to "copy the feature"
+    out["wo"] = out["wo"] * 0.1
+    out["w_down"] = out["w_down"] * 0.1
+    out["attn_norm"] = np.ones_like(out["attn_norm"])
+    out["mlp_norm"] = np.ones_like(out["mlp_norm"])
+    if not copy_feature:
+        fc = np.asarray(jax.random.normal(jax.random.fold_in(k, 1), (2 * D, D), jnp.float32)) / math.sqrt(2 * D)
+    out["fc"] = fc
+    out["out_norm"] = np.ones((D,), np.float32)
+    return out
+
+
+class EagleHead(nnx.Module):
+    def __init__(self, cfg: EagleConfig, embed, head, trainable: Mapping[str, Any],
+                 token_map: Optional[np.ndarray] = None):
+        self.cfg = cfg
+        lcfg = cfg.layer_config()
+        pd = lcfg.weight_dtype
+        V, D = cfg.vocab_size, cfg.dim
+        if tuple(np.shape(embed)) != (V, D):
+            raise ValueError(f"embedding shape {np.shape(embed)} does not match the head config (V={V}, D={D})")
+        self.embed = Frozen(jnp.asarray(embed, pd))
+        self.tied = head is None
+        if head is not None:
+            self.head = Frozen(jnp.asarray(head, pd))
+        if cfg.vocab_subset:
+            if token_map is None or np.shape(token_map) != (cfg.vocab_subset,):
+                raise ValueError(f"vocab_subset={cfg.vocab_subset} needs a token_map of that length")
+            tm = np.asarray(token_map, np.int64)
+            if tm.min() < 0 or tm.max() >= V or np.unique(tm).size != tm.size:
+                raise ValueError("token_map must hold distinct token ids in [0, V)")
+            self.token_map = Frozen(jnp.asarray(tm, jnp.int32))
+        self.fc = _param(jnp.asarray(trainable["fc"], pd), (None, "embed"))
+        self.out_norm = _param(jnp.asarray(trainable["out_norm"], pd), ("embed",))
+        for k in LAYER_KEYS:
+            if np.shape(trainable[k])[0] != cfg.n_layers:
+                raise ValueError(f"layer tensor {k} has {np.shape(trainable[k])[0]} layers, "
+                                 f"config says {cfg.n_layers}")
+        self.layers = nnx.List([Layer(lcfg, {k: trainable[k][i] for k in LAYER_KEYS})
+                                for i in range(cfg.n_layers)])
+
+    # ------------------------------------------------------------------ pieces
+    def head_matrix(self):
+        """[Vs, D]: the rows of the target head this draft scores."""
+        h = self.embed[...] if self.tied else self.head[...]
+        if self.cfg.vocab_subset:
+            h = jnp.take(h, self.token_map[...], axis=0)
+        return h
+
+    def logits(self, h):
+        """[..., D] -> [..., Vs] float32 logits over the scored tokens."""
+        return jnp.einsum("...d,vd->...v", h, self.head_matrix().astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def full_logits(self, h):
+        """[..., D] -> [..., V] float32 logits, -inf outside the token subset."""
+        lg = self.logits(h)
+        if not self.cfg.vocab_subset:
+            return lg
+        full = jnp.full(lg.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, jnp.float32)
+        return full.at[..., self.token_map[...]].set(lg)
+
+    def _inputs(self, hidden, tokens):
+        dt = self.cfg.layer_config().compute_dtype
+        e = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = jnp.concatenate([hidden.astype(dt), e], axis=-1)
+        B, T, _ = x.shape
+        return jax.lax.dot_general(x.reshape(B * T, -1), self.fc[...].astype(dt),
+                                   (((1,), (0,)), ((), ()))).reshape(B, T, -1)
+
+    def _layers(self, x, k_all, v_all, slots, cos, sin, mask):
+        for i, blk in enumerate(self.layers):
+            x, k_all, v_all = blk(x, k_all, v_all, i, slots, cos, sin, mask)
+        return rms_norm(x, self.out_norm[...], self.cfg.norm_eps), k_all, v_all
+
+    # ------------------------------------------------------------------ cached step
+    def __call__(self, hidden, tokens, cache: KVCache):
+        """hidden [B, T, D] (target or predicted features at positions lengths+t), tokens
+        [B, T] (the token after each) -> predicted next hidden [B, T, D], new cache."""
+        lcfg = self.cfg.layer_config()
+        B, T = tokens.shape
+        S = cache.k.shape[2]
+        lengths = cache.lengths.astype(jnp.int32)
+        positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        cos, sin = rope_tables(positions, lcfg)
+        mask = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+        x = self._inputs(hidden, tokens)
+        h, k_all, v_all = self._layers(x, cache.k, cache.v, positions, cos, sin, mask)
+        return h, KVCache(k=k_all, v=v_all, lengths=lengths + T)
+
+    # ------------------------------------------------------------------ training pass
+    def unrolled(self, hidden, tokens, n_steps: int):
+        """Teacher-forced pass over whole sequences for draft positions 1..n_steps.
+
+        hidden [B, T, D]: target features h_p; tokens [B, T]: s_{p+1} (the token after
+        position p). Returns [n_steps, B, T, D]: entry (j-1, b, p) is the head's prediction
+        of h_{p+1} at draft position j, i.e. fed true features up to position p-j+1 and its
+        own predictions after that (valid for p >= j-1)."""
+        lcfg = self.cfg.layer_config()
+        dt = lcfg.compute_dtype
+        B, T = tokens.shape
+        n = int(n_steps)
+        S = n * T
+        shape = (self.cfg.n_layers, B, S, lcfg.n_kv_heads, lcfg.head_dim)
+        k_all = jnp.zeros(shape, dt)
+        v_all = jnp.zeros(shape, dt)
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        cos, sin = rope_tables(pos, lcfg)
+        p = jnp.arange(T)[:, None]  # query position
+        q = jnp.arange(T)[None, :]  # key position within a step block
+        outs = []
+        feat = hidden
+        for j in range(1, n + 1):
+            blocks = []
+            for m in range(1, n + 1):
+                if m == 1:
+                    blocks.append(q <= p - j + 1)
+                elif m <= j:
+                    blocks.append(q == p - j + m)
+                else:
+                    blocks.append(jnp.zeros((T, T), bool))
+            mask = jnp.broadcast_to(jnp.concatenate(blocks, axis=1)[None], (B, T, S))
+            x = self._inputs(feat, tokens)
+            h, k_all, v_all = self._layers(x, k_all, v_all, pos + (j - 1) * T, cos, sin, mask)
+            outs.append(h)
+            # next step's feature at position p is this step's prediction at p-1
+            feat = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+        return jnp.stack(outs)
+
+    # ------------------------------------------------------------------ export
+    def trainable_weights(self) -> dict:
+        per = [b.canonical() for b in self.layers]
+        out = {k: np.stack([p[k] for p in per]) for k in LAYER_KEYS}
+        out["fc"] = _np(self.fc[...])
+        out["out_norm"] = _np(self.out_norm[...])
+        return out
+
+
+class EagleModel:
+    """An EAGLE head bound to a target's embedding / head, with a pure ``apply``."""
+
+    def __init__(self, config: EagleConfig, graphdef, params):
+        self.config = config
+        self.graphdef = graphdef
+        self.params = params
+
+    @classmethod
+    def build(cls, config: EagleConfig, embed, head=None, trainable=None, token_map=None,
+              seed: int = 0) -> "EagleModel":
+        """``embed`` [V, D] the target's embedding; ``head`` its untied head or None (tied)."""
+        if trainable is None:
+            trainable = random_trainable(config, seed)
+        module = EagleHead(config, embed, head, trainable, token_map)
+        graphdef, params = nnx.split(module)
+        return cls(config, graphdef, params)
+
+    @classmethod
+    def for_target(cls, target, config: Optional[EagleConfig] = None, trainable=None, token_map=None,
+                   seed: int = 0) -> "EagleModel":
+        tcfg = target.config
+        if config is None:
+            config = EagleConfig.for_target(tcfg)
+        if config.vocab_size != tcfg.vocab_size or config.dim != tcfg.dim:
+            raise ValueError(
+                f"EAGLE head (V={config.vocab_size}, D={config.dim}) does not fit the target "
+                f"(V={tcfg.vocab_size}, D={tcfg.dim})")
+        w = target.canonical_weights()
+        head = None if tcfg.tie_embeddings else w["lm_head"]
+        return cls.build(config, w["embed"], head, trainable, token_map, seed)
+
+    def module(self, params=None) -> EagleHead:
+        return nnx.merge(self.graphdef, self.params if params is None else params)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        lc = self.config.layer_config()
+        shape = (lc.n_layers, batch, max_len, lc.n_kv_heads, lc.head_dim)
+        dt = lc.compute_dtype
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
+
+    def apply(self, params, hidden, tokens, cache: KVCache):
+        return self.module(params)(hidden, jnp.asarray(tokens, jnp.int32), cache)
+
+    def full_logits(self, params, h):
+        return self.module(params).full_logits(h)
+
+    def trainable_weights(self) -> dict:
+        w = self.module().trainable_weights()
+        return w
+
+    def token_map(self) -> Optional[np.ndarray]:
+        if not self.config.vocab_subset:
+            return None
+        return _np(self.module().token_map[...])

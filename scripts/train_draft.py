@@ -1,0 +1,54 @@
+"""Train a draft for a target: ``python scripts/train_draft.py configs/train/eagle_smollm2.yaml``.
+
+See :mod:`specjax.training` for the data, losses, checkpoints and metrics. Options:
+``--steps N`` / ``--out-dir DIR`` override the config; ``--stop-after N`` ends after N steps
+without a final checkpoint (what a kill looks like; rerun to resume); ``--data-only``
+generates (or finds) the cached data and stops.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    from specjax import training as T
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--out-dir")
+    ap.add_argument("--stop-after", type=int)
+    ap.add_argument("--data-only", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        cfg = T.load_config(a.config)
+        tc = cfg.train
+        changes = {}
+        if a.steps is not None:
+            changes["steps"] = a.steps
+        if a.out_dir:
+            changes["out_dir"] = a.out_dir
+        if a.no_progress:
+            changes["progress"] = False
+        if changes:
+            cfg = dataclasses.replace(cfg, train=T.TrainConfig(**dict(dataclasses.asdict(tc), **changes)))
+    except (T.ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.data_only:
+        target, tok = T.load_target(cfg.target)
+        for split in ("train", "heldout"):
+            T.build_data(cfg, split, target, tok)
+        return 0
+    res = T.train(cfg, stop_after=a.stop_after)
+    res.pop("params", None)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""EAGLE-style feature drafts: the proposer, and draft files (save / load).
+
+:class:`EagleProposer` keeps the head's KV cache over the pairs ``(h_t, s_{t+1})`` of the
+committed sequence ``s`` (length L) for t < L-1: target features ``h_t`` are known up to
+position L-2 (the target's cache holds ``s[:L-1]``) and ``s_{L-1}`` is the last token, so the
+pair at t = L-2 is the last complete one. Its output, the predicted ``h_{L-1}``, is kept in
+the state; its logits through the target's head are the draft law of ``x_1``.
+
+* ``init``: feed the prompt's pairs (t < L-1) from the prefill hidden states;
+* ``propose``: draw x_1 from the kept prediction, then K-1 steps that feed
+  ``(h_hat, x_i)`` (the head's OWN predicted feature) to get x_{i+1}; every draw goes through
+  the shared pipeline (``process_rows`` / ``sample_rows``) with keys DRAFT + position, so the
+  reported q is the law the token was drawn from;
+* ``commit``: roll the cache back to the pairs before the round (lengths), and feed the
+  round's K+1 pairs with the TRUE target features (only ``num_new`` are valid; the rest
+  land in slots past the new length and are never read). Rows with ``num_new == 0``
+  (finished) keep their state.
+
+Draft files (``.npz``): ``meta`` (JSON: kind, config, training info) plus the weights.
+``kind == "eagle"``: the head's trainable weights and ``token_map`` (the target's
+embedding / head are taken from the target at load time, so files stay small);
+``kind == "llama"``: an independent draft's canonical weights (``embed`` may be omitted
+when ``embed_from_target``, e.g. a target-initialised draft with a frozen embedding).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import keys as K_
+from specjax.proposers import (
+    CommitContext,
+    DraftModelProposer,
+    Proposal,
+    ProposeContext,
+    process_rows,
+    sample_rows,
+)
+
+
+def _take_rows(x, idx):
+    """x [B, T, D], idx [B] -> [B, D]."""
+    return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EagleProposer:
+    """Proposer for an :class:`models.eagle.EagleModel` (needs the target's hidden states)."""
+
+    model: Any
+    k: int
+    needs_target_hidden: bool = True
+    min_prompt_len: int = 2
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def params(self):
+        return self.model.params
+
+    def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
+        if target_hidden is None:
+            raise ValueError("EagleProposer needs the target's hidden states")
+        b, p = prompt_tokens.shape
+        nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)
+        cache = self.model.init_cache(b, cache_len)
+        h, cache = self.model.apply(params, target_hidden, nxt, cache)
+        return dict(cache=cache.with_lengths(prompt_lens - 1), h=_take_rows(h, prompt_lens - 2))
+
+    def propose(self, params, state, ctx: ProposeContext) -> Proposal:
+        m = self.model.module(params)
+        cache = state["cache"].with_lengths(ctx.seq_len - 1)
+        draft_keys = jax.vmap(lambda k: K_.role_key(k, K_.DRAFT))(ctx.round_keys)
+        v = self.vocab_size
+
+        def draw(h, counts, i):
+            ks = jax.vmap(lambda k: K_.position_key(k, i))(draft_keys)
+            lp = process_rows(m.full_logits(h), ctx.params, counts, ctx.use_penalties)
+            return sample_rows(ks, lp), lp
+
+        def step(carry, i):
+            cache, h, counts = carry
+            x, lp = draw(h, counts, i)
+            hn, cache = m(h[:, None], x[:, None], cache)
+            counts = counts + jax.nn.one_hot(x, v, dtype=counts.dtype)
+            return (cache, hn[:, 0], counts), (x, lp)
+
+        carry = (cache, state["h"], ctx.counts)
+        if self.k > 1:
+            carry, (xs, lps) = jax.lax.scan(step, carry, jnp.arange(self.k - 1))
+            xs, lps = jnp.moveaxis(xs, 0, 1), jnp.moveaxis(lps, 0, 1)
+        cache, h, counts = carry
+        x_last, lp_last = draw(h, counts, self.k - 1)
+        if self.k > 1:
+            tokens = jnp.concatenate([xs, x_last[:, None]], axis=1)
+            logprobs = jnp.concatenate([lps, lp_last[:, None]], axis=1)
+        else:
+            tokens, logprobs = x_last[:, None], lp_last[:, None]
+        b = tokens.shape[0]
+        return Proposal(tokens.astype(jnp.int32), logprobs, jnp.full((b,), self.k, jnp.int32),
+                        dict(cache=cache, h=state["h"]))
+
+    def commit(self, params, state, ctx: CommitContext):
+        num_new = ctx.num_new
+        base = ctx.seq_len - 1 - num_new  # pairs before this round's new ones
+        kk = ctx.target_hidden.shape[1]
+        idx = jnp.clip(base[:, None] + 1 + jnp.arange(kk)[None, :], 0, ctx.seq.shape[1] - 1)
+        toks = jnp.take_along_axis(ctx.seq, idx, axis=1)
+        h, cache = self.model.apply(params, ctx.target_hidden, toks, state["cache"].with_lengths(base))
+        ok = num_new > 0
+        h_last = _take_rows(h, jnp.maximum(num_new - 1, 0))
+        return dict(cache=cache.with_lengths(base + num_new),
+                    h=jnp.where(ok[:, None], h_last, state["h"]))
+
+
+# --------------------------------------------------------------------------------------
+# draft files
+
+
+def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional[dict] = None) -> None:
+    """Write a draft file (npz): ``meta`` JSON plus float32/int arrays."""
+    if kind not in ("eagle", "llama"):
+        raise ValueError(f"unknown draft kind {kind!r}")
+    meta = dict(kind=kind, config=config, info=info or {}, format=1)
+    arrays = {k: np.asarray(v) for k, v in weights.items() if v is not None}
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    os.replace(tmp, path)
+
+
+def read_draft(path: str):
+    """(meta dict, weights dict of numpy arrays)."""
+    with np.load(path) as f:
+        meta = json.loads(bytes(f["meta"]).decode())
+        weights = {k: f[k] for k in f.files if k != "meta"}
+    return meta, weights
+
+
+def load_draft_model(path: str, target):
+    """The draft model in a file: an ``EagleModel`` or a ``LlamaLM`` (checked against the target)."""
+    from models.eagle import EagleConfig, EagleModel
+    from models.llama import LlamaConfig, LlamaLM
+
+    meta, w = read_draft(path)
+    kind = meta.get("kind")
+    if kind == "eagle":
+        cfg = EagleConfig.from_dict(meta["config"])
+        tm = w.pop("token_map", None)
+        return EagleModel.for_target(target, cfg, trainable=w, token_map=tm)
+    if kind == "llama":
+        cfg = LlamaConfig(**meta["config"])
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocabulary V={cfg.vocab_size} does not match the target's "
+                             f"V={target.vocab_size}")
+        if meta.get("info", {}).get("embed_from_target") or "embed" not in w:
+            tw = target.canonical_weights()
+            w["embed"] = tw["embed"]
+            if not cfg.tie_embeddings and "lm_head" not in w:
+                w["lm_head"] = tw.get("lm_head", tw["embed"])
+        return LlamaLM.from_weights(cfg, w)
+    raise ValueError(f"{path}: unknown draft kind {kind!r}")
+
+
+def load_draft(path: str, target, k: int = 4):
+    """A proposer for ``target`` from a draft file (``EagleProposer`` or ``DraftModelProposer``)."""
+    from models.eagle import EagleModel
+
+    model = load_draft_model(path, target)
+    if isinstance(model, EagleModel):
+        return EagleProposer(model, k)
+    return DraftModelProposer(model, k)

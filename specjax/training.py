@@ -1,0 +1,801 @@
+"""Training drafts the target accepts: on-policy data, distillation, checkpoints, evaluation.
+
+``scripts/train_draft.py CONFIG.yaml`` runs :func:`train`. Everything is a pure function of
+the config (and its ``seed``): model init, the data (sampled from the target with the
+project's own batched decoding, :func:`specjax.engine.generate_autoregressive`), the data
+order (a permutation per epoch from ``(seed, epoch)``, so the batch of step i is a function
+of i) and the loss curve.
+
+Data (paid once, cached as npz under ``data.cache_dir`` keyed by a hash of the target and
+data settings): prompts -> on-policy continuations -> ONE teacher-forced target forward per
+sequence, storing at every position the target's top-k probabilities (temperature 1) and
+its final hidden states (float16 for training; float32 for the held-out split, whose exact
+target law is recomputed from them as ``softmax(h @ head.T)``).
+
+Draft kinds: ``independent`` (a small Llama, own embedding), ``target_init`` (the target's
+first N layers + its embedding / head, frozen or not), ``eagle`` (:mod:`models.eagle`).
+Losses (weights in ``train.losses``): ``fkl`` forward KL (cross-entropy to the top-k),
+``rkl`` reverse KL (the mass outside the top-k spread uniformly), ``tv`` (1 - sum_k
+min(p, q), i.e. 1 - alpha over the top-k), ``hidden`` (smooth-L1 to the target's next hidden
+state, EAGLE heads only). EAGLE heads train draft positions 1..``unroll`` (fed their own
+predicted features after the first, as in decoding).
+
+Only positions whose next token was GENERATED are trained (unless ``train.prompt_positions``)
+and evaluated: the chat template / system prompt is nearly free to predict and would
+inflate alpha. Evaluation on the held-out split: the exact overlap alpha = sum_x min(p, q) at temperature
+1 and greedy agreement (argmax q == argmax p, the acceptance at temperature 0), per draft
+position (EAGLE: positions 1..eval_positions along its own feature chain; token-only drafts
+see teacher-forced tokens, so one number serves every position).
+
+Checkpoints: orbax, every ``ckpt_every`` steps and at the end; a restarted run resumes from
+the latest and ends with the same parameters as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSSES = ("fkl", "rkl", "tv", "hidden")
+KINDS = ("independent", "target_init", "eagle")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------------------
+# config
+
+
+def _strict(cls, d: Optional[Mapping], where: str):
+    d = dict(d or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(d) - names)
+    if extra:
+        raise ConfigError(f"{where}: unknown keys {extra} (expected some of {sorted(names)})")
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _check(cond, msg):
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _int(v, name, lo=None):
+    _check(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an integer, got {v!r}")
+    if lo is not None:
+        _check(v >= lo, f"{name} must be >= {lo}, got {v}")
+
+
+def _num(v, name, lo=None, hi=None, lo_open=False):
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+           f"{name} must be a finite number, got {v!r}")
+    if lo is not None:
+        _check(v > lo if lo_open else v >= lo, f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+    if hi is not None:
+        _check(v <= hi, f"{name} must be <= {hi}, got {v}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    kind: str = "default"  # default (SmolLM2-135M-Instruct GGUF) | tiny (random tiny Llama)
+    config: Optional[dict] = None  # tiny: models.llama.tiny_config arguments
+    seed: int = 0  # tiny: init seed
+
+    def __post_init__(self):
+        _check(self.kind in ("default", "tiny"), f"target.kind must be 'default' or 'tiny', got {self.kind!r}")
+        _int(self.seed, "target.seed", 0)
+        if self.kind == "tiny":
+            _check(isinstance(self.config, dict), "target.config (a dict) is needed for a tiny target")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    prompts: str = "configs/train/prompts_train.txt"
+    heldout: str = "configs/train/prompts_heldout.txt"
+    prompt_format: str = "chat"  # chat (user message in the chat template) | raw | ids
+    max_prompts: int = 0  # 0: all
+    max_heldout: int = 0
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 128
+    gen_batch: int = 32
+    teacher_batch: int = 4
+    temperature: float = 1.0
+    topk: int = 32
+    cache_dir: str = "data_cache/train"
+
+    def __post_init__(self):
+        _check(self.prompt_format in ("chat", "raw", "ids"),
+               f"data.prompt_format must be chat, raw or ids, got {self.prompt_format!r}")
+        for f in ("max_prompts", "max_heldout"):
+            _int(getattr(self, f), f"data.{f}", 0)
+        for f in ("samples_per_prompt", "max_new_tokens", "gen_batch", "teacher_batch", "topk"):
+            _int(getattr(self, f), f"data.{f}", 1)
+        _num(self.temperature, "data.temperature", 0.0)
+        for f in ("prompts", "heldout"):
+            _check(isinstance(getattr(self, f), str) and getattr(self, f), f"data.{f} must be a path")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    kind: str = "eagle"
+    n_layers: int = 1  # eagle / target_init: layers (independent: config.n_layers)
+    config: Optional[dict] = None  # independent: LlamaConfig fields; eagle: EagleConfig overrides
+    freeze_embed: bool = True  # target_init: keep the target's embedding / head fixed
+    vocab_subset: int = 0  # eagle: score only the most frequent tokens (0: all)
+    init: str = "random"  # eagle: random | random_fc (fc not "copy the feature") | target_last
+
+    def __post_init__(self):
+        _check(self.kind in KINDS, f"draft.kind must be one of {KINDS}, got {self.kind!r}")
+        _int(self.n_layers, "draft.n_layers", 1)
+        _int(self.vocab_subset, "draft.vocab_subset", 0)
+        _check(isinstance(self.freeze_embed, bool), "draft.freeze_embed must be true or false")
+        _check(self.init in ("random", "random_fc", "target_last"),
+               f"draft.init must be random, random_fc or target_last, got {self.init!r}")
+        if self.kind == "independent":
+            _check(isinstance(self.config, dict), "an independent draft needs draft.config (LlamaConfig fields)")
+        _check(self.config is None or isinstance(self.config, dict), "draft.config must be a mapping")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup: int = 20
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    losses: Optional[dict] = None  # {fkl, rkl, tv, hidden}: weights
+    unroll: int = 2  # eagle: draft positions trained
+    eval_every: int = 50
+    eval_positions: int = 4
+    eval_batch: int = 2
+    ckpt_every: int = 50
+    log_every: int = 10
+    prompt_positions: bool = False  # also train on prompt positions (never evaluated)
+    out_dir: str = "runs/draft"
+    progress: bool = True
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "unroll", "eval_every", "eval_positions", "eval_batch",
+                  "ckpt_every", "log_every"):
+            _int(getattr(self, f), f"train.{f}", 1)
+        _int(self.warmup, "train.warmup", 0)
+        _check(self.warmup < self.steps, f"train.warmup ({self.warmup}) must be < train.steps ({self.steps})")
+        _num(self.lr, "train.lr", 0.0, lo_open=True)
+        _num(self.end_lr_ratio, "train.end_lr_ratio", 0.0, 1.0)
+        _num(self.weight_decay, "train.weight_decay", 0.0)
+        _num(self.clip, "train.clip", 0.0, lo_open=True)
+        losses = dict(self.losses or {"fkl": 1.0})
+        bad = sorted(set(losses) - set(LOSSES))
+        _check(not bad, f"train.losses: unknown losses {bad} (known: {list(LOSSES)})")
+        for k, v in losses.items():
+            _num(v, f"train.losses.{k}", 0.0)
+        _check(any(v > 0 for k, v in losses.items() if k != "hidden"),
+               "train.losses needs a positive weight on fkl, rkl or tv")
+        object.__setattr__(self, "losses", losses)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    target: TargetSpec
+    data: DataConfig
+    draft: DraftConfig
+    train: TrainConfig
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def target_vocab(spec: TargetSpec) -> int:
+    if spec.kind == "tiny":
+        from models.llama import tiny_config
+
+        return tiny_config(**spec.config).vocab_size
+    with open(os.path.join(REPO, "configs/models/smollm2-135m.yaml")) as f:
+        return int(yaml.safe_load(f)["config"]["vocab_size"])
+
+
+def load_config(src) -> RunConfig:
+    """A RunConfig from a YAML path or a dict; every bad value fails here, before any work."""
+    if isinstance(src, (str, os.PathLike)):
+        with open(src) as f:
+            d = yaml.safe_load(f)
+    else:
+        d = dict(src)
+    if not isinstance(d, dict):
+        raise ConfigError("the training config must be a mapping")
+    extra = sorted(set(d) - {"seed", "target", "data", "draft", "train"})
+    if extra:
+        raise ConfigError(f"unknown top-level keys {extra}")
+    seed = d.get("seed", 0)
+    _int(seed, "seed", 0)
+    cfg = RunConfig(
+        seed=seed,
+        target=_strict(TargetSpec, d.get("target"), "target"),
+        data=_strict(DataConfig, d.get("data"), "data"),
+        draft=_strict(DraftConfig, d.get("draft"), "draft"),
+        train=_strict(TrainConfig, d.get("train"), "train"),
+    )
+    v = target_vocab(cfg.target)
+    dc = cfg.draft.config or {}
+    if "vocab_size" in dc and dc["vocab_size"] != v:
+        raise ConfigError(f"vocabulary mismatch: the draft has V={dc['vocab_size']}, the target V={v}")
+    if cfg.draft.vocab_subset > v:
+        raise ConfigError(f"draft.vocab_subset={cfg.draft.vocab_subset} exceeds the target's V={v}")
+    if cfg.draft.kind != "eagle" and cfg.draft.vocab_subset:
+        raise ConfigError("draft.vocab_subset is only for eagle heads")
+    if cfg.draft.kind != "eagle" and cfg.train.losses.get("hidden", 0) > 0:
+        raise ConfigError("the hidden-state loss needs a feature draft (draft.kind: eagle)")
+    for f in ("prompts", "heldout"):
+        p = _path(getattr(cfg.data, f))
+        if not os.path.isfile(p):
+            raise ConfigError(f"data.{f}: no such file {p}")
+    if os.path.abspath(_path(cfg.data.prompts)) == os.path.abspath(_path(cfg.data.heldout)):
+        raise ConfigError("data.prompts and data.heldout must be different files")
+    if cfg.draft.kind == "independent":
+        from models.llama import LlamaConfig
+
+        try:
+            LlamaConfig(**dict(dc, vocab_size=v))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"draft.config: {e}") from e
+    return cfg
+
+
+def _path(p):
+    return p if os.path.isabs(p) else os.path.join(REPO, p)
+
+
+# --------------------------------------------------------------------------------------
+# target and prompts
+
+
+def load_target(spec: TargetSpec):
+    """(LlamaLM, tokenizer or None)."""
+    from models.llama import LlamaLM, tiny_config
+
+    if spec.kind == "tiny":
+        return LlamaLM.init(tiny_config(**spec.config), seed=spec.seed), None
+    import models
+
+    lm, _ = models.load_default_target()
+    return lm, models.load_default_tokenizer()
+
+
+def read_prompts(path, fmt, tok, limit=0):
+    with open(_path(path), encoding="utf-8") as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    if limit:
+        lines = lines[:limit]
+    if fmt == "ids":
+        return [[int(t) for t in ln.split()] for ln in lines]
+    if tok is None:
+        raise ConfigError(f"prompt_format {fmt!r} needs a tokenizer (the default target)")
+    if fmt == "raw":
+        return [tok.encode(ln) for ln in lines]
+    return [tok.apply_chat_template([{"role": "user", "content": ln}], tokenize=True) for ln in lines]
+
+
+# --------------------------------------------------------------------------------------
+# data
+
+
+def _data_key(cfg: RunConfig, split: str) -> str:
+    d = dataclasses.asdict(cfg.data)
+    d.pop("cache_dir")
+    d.pop("teacher_batch")
+    d.pop("gen_batch")  # rows are keyed by their index, not their batch: same data
+    for f in ("prompts", "heldout"):
+        with open(_path(d[f]), "rb") as fh:
+            d[f + "_sha"] = hashlib.sha256(fh.read()).hexdigest()
+        d.pop(f)
+    blob = json.dumps(dict(target=dataclasses.asdict(cfg.target), data=d, seed=cfg.seed, split=split,
+                           version=1), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _teacher_fn(target, topk):
+    from models.base import KVCache  # noqa: F401
+
+    def f(params, toks):
+        b, t = toks.shape
+        out = target.apply(params, toks, target.init_cache(b, t), return_hidden=True)
+        lp = jax.nn.log_softmax(out.logits, axis=-1)
+        v, i = jax.lax.top_k(lp, topk)
+        return jnp.exp(v), i.astype(jnp.int32), out.hidden
+
+    return jax.jit(f)
+
+
+def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
+    """Generate (or load from the cache) the on-policy data of one split ('train'/'heldout')."""
+    from specjax import engine, sampling
+
+    dc = cfg.data
+    key = _data_key(cfg, split)
+    cache_dir = _path(dc.cache_dir)
+    path = os.path.join(cache_dir, f"{split}-{key}.npz")
+    if os.path.isfile(path):
+        with np.load(path) as f:
+            data = {k: f[k] for k in f.files}
+        data["cached"] = True
+        log(f"[data] {split}: loaded {path} ({int(data['lengths'].sum())} tokens)")
+        return data
+    t0 = time.time()
+    src = dc.prompts if split == "train" else dc.heldout
+    prompts = read_prompts(src, dc.prompt_format, tok, dc.max_prompts if split == "train" else dc.max_heldout)
+    rows = [(i, r) for i in range(len(prompts)) for r in range(dc.samples_per_prompt)]
+    stops = list(tok.stop_ids) if tok is not None else None
+    offset = 0 if split == "train" else 1 << 24  # held-out rows get keys of their own
+    sp = sampling.SamplingConfig(temperature=float(dc.temperature))
+    seqs, plens = [], []
+    for s in range(0, len(rows), dc.gen_batch):
+        chunk = rows[s:s + dc.gen_batch]
+        idx = [offset + i * dc.samples_per_prompt + r for i, r in chunk]
+        pr = [prompts[i] for i, _ in chunk]
+        out = engine.generate_autoregressive(target, pr, seed=cfg.seed, row_indices=idx, sampling_params=sp,
+                                             max_new_tokens=dc.max_new_tokens, stop_tokens=stops)
+        for p, g in zip(pr, out.tokens):
+            seqs.append(list(p) + list(g))
+            plens.append(len(p))
+        log(f"[data] {split}: generated {s + len(chunk)}/{len(rows)} rows, "
+            f"{sum(len(x) - p for x, p in zip(seqs, plens))} new tokens, {time.time() - t0:.0f}s")
+    n = len(seqs)
+    lengths = np.array([len(x) for x in seqs], np.int32)
+    T = engine.bucket(int(lengths.max()), 16)
+    toks = np.zeros((n, T), np.int32)
+    for i, x in enumerate(seqs):
+        toks[i, :len(x)] = x
+    fn = _teacher_fn(target, dc.topk)
+    D = target.config.dim
+    hdt = np.float16 if split == "train" else np.float32
+    tp = np.zeros((n, T, dc.topk), np.float32)
+    ti = np.zeros((n, T, dc.topk), np.int32)
+    hid = np.zeros((n, T, D), hdt)
+    tb = dc.teacher_batch
+    order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
+    for s in range(0, n, tb):
+        rows_b = order[s:s + tb]
+        tlen = min(T, int(math.ceil(lengths[rows_b].max() / 64) * 64))  # few shapes to compile
+        blk = toks[rows_b, :tlen]
+        pad = tb - blk.shape[0]
+        if pad:
+            blk = np.concatenate([blk, np.zeros((pad, tlen), np.int32)])
+        p, i, h = jax.device_get(fn(target.params, jnp.asarray(blk)))
+        m = tb - pad
+        tp[rows_b, :tlen], ti[rows_b, :tlen], hid[rows_b, :tlen] = p[:m], i[:m], h[:m].astype(hdt)
+    data = dict(tokens=toks, lengths=lengths, prompt_lens=np.array(plens, np.int32), topk_p=tp,
+                topk_idx=ti, hidden=hid)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **data)
+    os.replace(tmp, path)
+    log(f"[data] {split}: {n} rows, {int(lengths.sum())} tokens "
+        f"({int((lengths - np.array(plens)).sum())} generated) in {time.time() - t0:.0f}s -> {path}")
+    data["cached"] = False
+    return data
+
+
+def token_frequencies(data, vocab_size) -> np.ndarray:
+    """Expected next-token counts under the target (top-k mass) plus observed tokens."""
+    valid = np.arange(data["tokens"].shape[1])[None, :] < data["lengths"][:, None]
+    f = np.bincount(data["topk_idx"][valid].ravel(), weights=data["topk_p"][valid].ravel(),
+                    minlength=vocab_size)
+    f += np.bincount(data["tokens"][valid].ravel(), minlength=vocab_size)
+    return f
+
+
+# --------------------------------------------------------------------------------------
+# drafts
+
+
+@dataclasses.dataclass
+class Draft:
+    """A draft in trainable form: ``forward(trainable, batch, n_steps)`` is pure."""
+
+    kind: str
+    graphdef: Any
+    frozen: Any
+    trainable: Any
+    config: Any
+    head: Any  # target head [V, D] (eval: p = softmax(h @ head.T))
+    inv_map: Optional[np.ndarray]  # eagle subset: token -> subset index (-1 outside)
+    token_map: Optional[np.ndarray]
+
+    def module(self, trainable=None):
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, self.frozen, self.trainable if trainable is None else trainable)
+
+
+def build_draft(cfg: RunConfig, target, train_data) -> Draft:
+    from flax import nnx
+
+    from models.eagle import EagleConfig, EagleModel, Frozen, random_trainable
+    from models.llama import LlamaConfig, LlamaLM
+
+    dr = cfg.draft
+    tcfg = target.config
+    tw = target.canonical_weights()
+    head = tw["embed"] if tcfg.tie_embeddings else tw["lm_head"]
+    inv = tm = None
+    if dr.kind == "eagle":
+        over = dict(dr.config or {})
+        over["n_layers"] = dr.n_layers
+        over["vocab_subset"] = dr.vocab_subset
+        ecfg = EagleConfig.for_target(tcfg, **over)
+        if dr.vocab_subset:
+            freq = token_frequencies(train_data, tcfg.vocab_size)
+            order = np.argsort(-freq, kind="stable")
+            tm = np.sort(order[: dr.vocab_subset]).astype(np.int32)
+            inv = np.full((tcfg.vocab_size,), -1, np.int32)
+            inv[tm] = np.arange(tm.size, dtype=np.int32)
+        trainable = random_trainable(ecfg, cfg.seed, copy_feature=dr.init != "random_fc")
+        if dr.init == "target_last":
+            for k in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"):
+                src = tw[k][-1:]
+                if src.shape[1:] != trainable[k].shape[1:]:
+                    raise ConfigError(f"draft.init=target_last needs the target's layer shapes ({k})")
+                trainable[k] = np.repeat(src, dr.n_layers, axis=0)
+        model = EagleModel.for_target(target, ecfg, trainable=trainable, token_map=tm)
+        module = model.module()
+        graphdef, frozen, params = nnx.split(module, Frozen, nnx.Param)
+        return Draft("eagle", graphdef, frozen, params, ecfg, head, inv, tm)
+    if dr.kind == "independent":
+        lcfg = LlamaConfig(**dict(dr.config, vocab_size=tcfg.vocab_size))
+        lm = LlamaLM.init(lcfg, seed=cfg.seed)
+        freeze = lambda path, x: False  # noqa: E731
+    else:
+        n = dr.n_layers
+        if n > tcfg.n_layers:
+            raise ConfigError(f"draft.n_layers={n} exceeds the target's {tcfg.n_layers} layers")
+        lcfg = tcfg.replace(n_layers=n, name="draft")
+        w = {k: (v[:n] if k not in ("embed", "lm_head", "final_norm") else v) for k, v in tw.items()}
+        lm = LlamaLM.from_weights(lcfg, w)
+        frozen_names = ("embed", "lm_head") if dr.freeze_embed else ()
+        freeze = lambda path, x: any(str(p) in frozen_names for p in path)  # noqa: E731
+    module = lm.module()
+    graphdef, frozen, params = nnx.split(module, freeze, nnx.Param)
+    return Draft(dr.kind, graphdef, frozen, params, lcfg, head, None, None)
+
+
+def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
+    from specjax.eagle import save_draft
+
+    m = draft.module()
+    if draft.kind == "eagle":
+        w = dict(m.trainable_weights())
+        if draft.token_map is not None:
+            w["token_map"] = draft.token_map
+        save_draft(path, "eagle", draft.config.to_dict(), w, info)
+        return
+    w = m.canonical_weights()
+    info = dict(info)
+    if draft.kind == "target_init" and cfg.draft.freeze_embed:
+        w.pop("embed", None)
+        w.pop("lm_head", None)
+        info["embed_from_target"] = True
+    c = dataclasses.asdict(draft.config)
+    save_draft(path, "llama", c, w, info)
+
+
+def _forward(draft: Draft, trainable, tokens, hidden, n_steps):
+    """-> (logq [S, B, T, Vq] log-probs, pred_hidden [S, B, T, D] or None).
+
+    Entry (j, b, t) is the draft law of token s[t+1] at draft position j+1."""
+    m = draft.module(trainable)
+    if draft.kind == "eagle":
+        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+        out = m.unrolled(hidden.astype(jnp.float32), nxt, n_steps)  # predicts h_{p+1}
+        # re-index so that entry t is the law of s[t+1] (the prediction made at p = t-1)
+        out = jnp.concatenate([jnp.zeros_like(out[:, :, :1]), out[:, :, :-1]], axis=2)
+        return jax.nn.log_softmax(m.logits(out), axis=-1), out
+    from models.base import KVCache  # noqa: F401
+
+    b, t = tokens.shape
+    cfg = draft.config
+    shape = (cfg.n_layers, b, t, cfg.n_kv_heads, cfg.head_dim)
+    cache = KVCache(k=jnp.zeros(shape, cfg.compute_dtype), v=jnp.zeros(shape, cfg.compute_dtype),
+                    lengths=jnp.zeros((b,), jnp.int32))
+    lg = m(tokens, cache).logits
+    return jax.nn.log_softmax(lg, axis=-1)[None], None
+
+
+def _valid(lengths, plens, t, n_steps, eagle, prompt_positions=False):
+    """[S, B, T]: entry t (law of s[t+1]) is trained / evaluated at draft position j+1.
+
+    Positions whose next token s[t+1] was generated (plen-1 <= t <= len-2), plus the prompt
+    positions when ``prompt_positions`` (the chat template is easy to predict and would
+    inflate alpha: evaluation never counts them). An EAGLE head predicts at t from the
+    pair at t-1 (needs t >= 1) and at draft position j+1 its chain starts at t-1-j
+    (needs t >= j+1)."""
+    pos = jnp.arange(t)[None, None, :]
+    j = jnp.arange(n_steps)[:, None, None]
+    ok = pos < lengths[None, :, None] - 1
+    if not prompt_positions:
+        ok = ok & (pos >= plens[None, :, None] - 1)
+    if eagle:
+        ok = ok & (pos >= j + 1)
+    return ok
+
+
+def _loss_fn(draft: Draft, weights: dict, n_steps: int, vocab_size: int, prompt_positions=False):
+    eagle = draft.kind == "eagle"
+    inv = None if draft.inv_map is None else jnp.asarray(draft.inv_map)
+
+    def loss(trainable, batch):
+        toks, lens = batch["tokens"], batch["lengths"]
+        tp, ti = batch["topk_p"], batch["topk_idx"]
+        logq, ph = _forward(draft, trainable, toks, batch.get("hidden"), n_steps)
+        S, B, T, _ = logq.shape
+        valid = _valid(lens, batch["prompt_lens"], T, S, eagle, prompt_positions).astype(jnp.float32)
+        ntok = jnp.maximum(valid.sum(axis=(1, 2)), 1.0)  # [S]
+        mi = ti if inv is None else inv[ti]
+        miss = mi < 0
+        lq = jnp.take_along_axis(logq, jnp.broadcast_to(jnp.maximum(mi, 0)[None], (S,) + mi.shape), axis=-1)
+        lq = jnp.where(miss[None], -jnp.inf, lq)
+        qk = jnp.exp(lq)
+        p = tp[None]
+        terms = {}
+        terms["fkl"] = -jnp.sum(jnp.where(miss[None], 0.0, p * lq), -1)
+        terms["tv"] = 1.0 - jnp.sum(jnp.minimum(p, qk), -1)
+        rest = jnp.clip(1.0 - jnp.sum(tp, -1), 1e-8, 1.0)[None]
+        k = tp.shape[-1]
+        neg_ent = jnp.sum(jnp.exp(logq) * logq, -1)
+        cross = jnp.sum(qk * jnp.log(jnp.maximum(p, 1e-12)), -1) + \
+            (1.0 - jnp.sum(qk, -1)) * jnp.log(rest / (vocab_size - k))
+        terms["rkl"] = neg_ent - cross
+        if eagle:
+            th = batch["hidden"].astype(jnp.float32)
+            d = ph - th[None]
+            ad = jnp.abs(d)
+            terms["hidden"] = jnp.mean(jnp.where(ad < 1.0, 0.5 * d * d, ad - 0.5), -1)
+        per = {n: jnp.mean(jnp.sum(v * valid, axis=(1, 2)) / ntok) for n, v in terms.items()}
+        total = sum(weights.get(n, 0.0) * per[n] for n in per if weights.get(n, 0.0))
+        per["alpha_topk"] = 1.0 - per["tv"]
+        return total, per
+
+    return loss
+
+
+def make_optimizer(tc: TrainConfig):
+    import optax
+
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, tc.steps, end_value=tc.lr * tc.end_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(tc.clip), optax.adamw(sched, weight_decay=tc.weight_decay)), sched
+
+
+def make_train_step(draft: Draft, tc: TrainConfig, vocab_size: int):
+    import optax
+
+    opt, _ = make_optimizer(tc)
+    n = tc.unroll if draft.kind == "eagle" else 1
+    loss = _loss_fn(draft, tc.losses, n, vocab_size, tc.prompt_positions)
+
+    def step(state, batch):
+        params, opt_state = state
+        (l, metrics), g = jax.value_and_grad(loss, has_aux=True)(params, batch)
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, loss=l, grad_norm=optax.tree.norm(g))
+        return (params, opt_state), metrics
+
+    return jax.jit(step, donate_argnums=0), opt
+
+
+def make_eval(draft: Draft, n_steps: int):
+    """Held-out exact alpha (temperature 1) and greedy agreement per draft position."""
+    eagle = draft.kind == "eagle"
+    n = n_steps if eagle else 1
+    head = jnp.asarray(draft.head)
+    tm = None if draft.token_map is None else jnp.asarray(draft.token_map)
+
+    @jax.jit
+    def ev(trainable, toks, lens, plens, hidden):
+        logq, _ = _forward(draft, trainable, toks, hidden, n)
+        S, B, T, _ = logq.shape
+        logp = jax.nn.log_softmax(jnp.einsum("btd,vd->btv", hidden.astype(jnp.float32), head), -1)
+        p = jnp.exp(logp)
+        pmax = jnp.argmax(logp, -1)
+        valid = _valid(lens, plens, T, S, eagle)
+        al, gr = [], []
+        for j in range(S):
+            if tm is None:
+                a = jnp.sum(jnp.minimum(p, jnp.exp(logq[j])), -1)
+                qa = jnp.argmax(logq[j], -1)
+            else:
+                a = jnp.sum(jnp.minimum(jnp.take(p, tm, axis=-1), jnp.exp(logq[j])), -1)
+                qa = tm[jnp.argmax(logq[j], -1)]
+            al.append(jnp.sum(jnp.where(valid[j], a, 0.0)))
+            gr.append(jnp.sum(jnp.where(valid[j], qa == pmax, False)))
+        return jnp.stack(al), jnp.stack(gr), valid.sum(axis=(1, 2))
+
+    return ev
+
+
+def evaluate(ev, trainable, data, batch) -> dict:
+    n = data["tokens"].shape[0]
+    a = g = c = 0.0
+    for s in range(0, n, batch):
+        sl = slice(s, s + batch)
+        toks = data["tokens"][sl]
+        lens = data["lengths"][sl]
+        hid = data["hidden"][sl]
+        pl = data["prompt_lens"][sl]
+        if toks.shape[0] < batch:  # pad with empty rows (length 0: nothing counted)
+            pad = batch - toks.shape[0]
+            toks = np.concatenate([toks, np.zeros((pad,) + toks.shape[1:], toks.dtype)])
+            lens = np.concatenate([lens, np.zeros((pad,), lens.dtype)])
+            pl = np.concatenate([pl, np.zeros((pad,), pl.dtype)])
+            hid = np.concatenate([hid, np.zeros((pad,) + hid.shape[1:], hid.dtype)])
+        ra, rg, rc = jax.device_get(ev(trainable, jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(pl), jnp.asarray(hid)))
+        a, g, c = a + ra, g + rg, c + rc
+    c = np.maximum(c, 1)
+    return dict(alpha=[round(float(x), 4) for x in a / c], greedy=[round(float(x), 4) for x in g / c])
+
+
+# --------------------------------------------------------------------------------------
+# checkpoints (orbax): the flat leaves of (trainable, opt_state) and the step
+
+
+def _ckpt_manager(out_dir):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(out_dir, "ckpt")),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def _save(mngr, step, state):
+    import orbax.checkpoint as ocp
+
+    leaves = jax.tree.leaves(state)
+    tree = {"leaves": {f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}, "step": np.asarray(step, np.int64)}
+    mngr.save(step, args=ocp.args.StandardSave(tree), force=True)
+    mngr.wait_until_finished()
+
+
+def _restore(mngr, state):
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step()
+    if step is None:
+        return None, state
+    leaves, treedef = jax.tree.flatten(state)
+    abstract = {"leaves": {f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}, "step": np.asarray(0, np.int64)}
+    got = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    new = [jnp.asarray(got["leaves"][f"{i:05d}"], dtype=x.dtype) for i, x in enumerate(leaves)]
+    return int(got["step"]), jax.tree.unflatten(treedef, new)
+
+
+# --------------------------------------------------------------------------------------
+# the run
+
+
+def batch_indices(seed: int, step: int, batch_size: int, n: int) -> np.ndarray:
+    """Rows of step ``step``: a fixed permutation per epoch (a pure function of the step)."""
+    out = []
+    start = step * batch_size
+    for pos in range(start, start + batch_size):
+        epoch, i = divmod(pos, n)
+        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        out.append(perm[i])
+    return np.array(out)
+
+
+def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, tokenizer=None) -> dict:
+    """Run (or resume) a training run. ``stop_after`` ends the process-equivalent of a kill
+    after that many steps (no final checkpoint). Returns a summary dict."""
+    if not isinstance(cfg, RunConfig):
+        cfg = load_config(cfg)
+    tc = cfg.train
+    out_dir = _path(tc.out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    log = log or (lambda s: print(s, flush=True))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    if target is None:
+        target, tokenizer = load_target(cfg.target)
+    train_data = build_data(cfg, "train", target, tokenizer, log)
+    held = build_data(cfg, "heldout", target, tokenizer, log)
+    draft = build_draft(cfg, target, train_data)
+    v = target.config.vocab_size
+    step_fn, opt = make_train_step(draft, tc, v)
+    _, sched = make_optimizer(tc)
+    ev = make_eval(draft, tc.eval_positions)
+    state = (draft.trainable, opt.init(draft.trainable))
+    mngr = _ckpt_manager(out_dir)
+    start, state = _restore(mngr, state)
+    start = start or 0
+    mpath = os.path.join(out_dir, "metrics.jsonl")
+    kept = []
+    if start and os.path.isfile(mpath):  # drop lines past the checkpoint (they will be redone)
+        with open(mpath) as f:
+            kept = [ln for ln in f if json.loads(ln).get("step", 0) <= start]
+    with open(mpath, "w") as f:
+        f.writelines(kept)
+    if start:
+        log(f"[train] resumed from step {start}")
+    n = train_data["tokens"].shape[0]
+    keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + (["hidden"] if draft.kind == "eagle" else [])
+    ntrain = int(train_data["lengths"].sum())
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    bar = tqdm(total=tc.steps, initial=start, disable=not tc.progress, dynamic_ncols=True) if tqdm else None
+    last_eval = None
+    t_last = time.time()
+    tok_acc = 0
+    t_train = 0.0
+    with open(mpath, "a") as mf:
+        def emit(rec):
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+
+        if start == 0:
+            last_eval = evaluate(ev, state[0], held, tc.eval_batch)
+            emit(dict(step=0, eval=last_eval))
+            log(f"[eval] step 0: {last_eval}")
+        for step in range(start, tc.steps):
+            if stop_after is not None and step >= stop_after:
+                log(f"[train] stopping at step {step} (stop_after)")
+                if bar:
+                    bar.close()
+                return dict(stopped=step)
+            idx = batch_indices(cfg.seed, step, tc.batch_size, n)
+            # crop the padding to a multiple of 64 (a few shapes only): same result, less work
+            tlen = min(train_data["tokens"].shape[1], int(math.ceil(train_data["lengths"][idx].max() / 64) * 64))
+            batch = {k: jnp.asarray(train_data[k][idx] if k in ("lengths", "prompt_lens") else train_data[k][idx, :tlen])
+                     for k in keys}
+            t0 = time.time()
+            state, met = step_fn(state, batch)
+            met = {k: float(x) for k, x in jax.device_get(met).items()}
+            dt = time.time() - t0
+            t_train += dt
+            ntok = int(train_data["lengths"][idx].sum())
+            tok_acc += ntok
+            s1 = step + 1
+            rec = dict(step=s1, lr=float(sched(step)), tokens=ntok, **{k: round(v_, 6) for k, v_ in met.items()})
+            if s1 % tc.log_every == 0 or s1 == tc.steps:
+                el = time.time() - t_last
+                rec["tokens_per_s"] = round(tok_acc / max(el, 1e-9), 1)
+                t_last, tok_acc = time.time(), 0
+            emit(rec)
+            if bar:
+                bar.set_postfix(loss=f"{met['loss']:.4f}", a_topk=f"{met['alpha_topk']:.3f}",
+                                tok_s=f"{ntok / max(dt, 1e-9):.0f}")
+                bar.update(1)
+            if s1 % tc.eval_every == 0 or s1 == tc.steps:
+                last_eval = evaluate(ev, state[0], held, tc.eval_batch)
+                emit(dict(step=s1, eval=last_eval))
+                log(f"[eval] step {s1}: {last_eval}")
+            if s1 % tc.ckpt_every == 0 or s1 == tc.steps:
+                _save(mngr, s1, state)
+    if bar:
+        bar.close()
+    draft.trainable = state[0]
+    info = dict(steps=tc.steps, train_tokens=ntrain, heldout=last_eval, seed=cfg.seed, kind=cfg.draft.kind)
+    export_draft(cfg, draft, os.path.join(out_dir, "draft.npz"), info)
+    summary = dict(steps=tc.steps, eval=last_eval, train_tokens=ntrain, train_seconds=round(t_train, 1),
+                   data_cached=dict(train=bool(train_data["cached"]), heldout=bool(held["cached"])),
+                   out_dir=out_dir)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return dict(summary, params=state[0])
