@@ -37,6 +37,7 @@ from specjax import keys as K_
 from specjax.proposers import (
     CommitContext,
     DraftModelProposer,
+    ModelBackedProposer,
     Proposal,
     ProposeContext,
     process_rows,
@@ -50,21 +51,13 @@ def _take_rows(x, idx):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EagleProposer:
+class EagleProposer(ModelBackedProposer):
     """Proposer for an :class:`models.eagle.EagleModel` (needs the target's hidden states)."""
 
     model: Any
     k: int
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def params(self):
-        return self.model.params
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         if target_hidden is None:

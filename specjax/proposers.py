@@ -95,14 +95,9 @@ def sample_rows(keys, logprobs):
     return jax.vmap(sampling.sample)(keys, logprobs)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DraftModelProposer:
-    """An autoregressive draft model (any ``models.base.LanguageModel``)."""
-
-    model: Any
-    k: int
-    needs_target_hidden: bool = False
-    min_prompt_len: int = 2
+class ModelBackedProposer:
+    """Base of proposers that wrap a draft model (``self.model``): the vocabulary size
+    and the parameters handed to the jitted program are the model's."""
 
     @property
     def vocab_size(self) -> int:
@@ -111,6 +106,16 @@ class DraftModelProposer:
     @property
     def params(self):
         return self.model.params
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModelProposer(ModelBackedProposer):
+    """An autoregressive draft model (any ``models.base.LanguageModel``)."""
+
+    model: Any
+    k: int
+    needs_target_hidden: bool = False
+    min_prompt_len: int = 2
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         b = prompt_tokens.shape[0]
