@@ -1,0 +1,74 @@
+"""Smoke test of scripts/benchmark.py: ``--quick`` on the tiny random model, in a subprocess.
+
+Cheap on purpose (one batch size, K=2, token and block, 32 tokens, 2 prompts, no peer, no
+BENCHMARKS.md): it checks that the whole pipeline runs and that the JSON carries every
+figure the benchmark promises, not the figures themselves.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_benchmark_quick_tiny(tmp_path):
+    out = tmp_path / "bench"
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--model", "tiny",
+           "--draft", "lookup", "--ks", "2", "--methods", "token,block", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "p-value" in proc.stdout  # the exactness check is printed
+
+    res = json.loads((out / "benchmark.json").read_text())
+    assert (out / "benchmark.md").is_file()
+    for key in ("command", "config", "machine", "model", "draft", "prompts", "step_costs", "autoregressive",
+                "speculative", "block_vs_token", "exactness", "peer", "wall_s", "loadavg_end"):
+        assert key in res, key
+    m = res["machine"]
+    for key in ("cpu_model", "cpu_count", "usable_cores", "loadavg_start", "jax", "backend"):
+        assert key in m, key
+    assert res["config"]["name"] == "quick" and res["model"]["kind"] == "tiny"
+
+    sc = res["step_costs"]["1"]
+    assert _finite(sc["t_target_ms"]["1"]) and _finite(sc["v"]["2"]) and _finite(sc["c"]["2"])
+
+    (ar,) = res["autoregressive"]
+    assert ar["batch_size"] == 1 and _finite(ar["tokens_per_s"]["median"]) and _finite(ar["compile_s"])
+    assert ar["tokens_per_s"]["min"] <= ar["tokens_per_s"]["median"] <= ar["tokens_per_s"]["max"]
+
+    spec = res["speculative"]
+    assert {(r["method"], r["k"]) for r in spec} == {("token", 2), ("block", 2)}
+    for r in spec:
+        assert r["emitted"] == 2 * 2 * 32  # 2 prompts x 2 repeats x 32 tokens, stop tokens off
+        for key in ("tokens_per_s", "speedup"):
+            assert _finite(r[key]["median"]) and r[key]["n"] == 2
+        assert _finite(r["mean_alpha"]) and 0.0 <= r["mean_alpha"] <= 1.0
+        assert len(r["acceptance_per_position"]) == 2 and len(r["reached_per_position"]) == 2
+        assert r["tokens_per_round"] >= 1.0 and _finite(r["tokens_per_round_batch"])
+        assert _finite(r["c"]) and _finite(r["verify_ratio"]) and _finite(r["compile_s"])
+        for key in ("basic", "with_verify", "measured_rounds"):
+            assert _finite(r["predicted_speedup"][key]) and _finite(r["achieved_over_predicted"][key])
+
+    (bt,) = res["block_vs_token"]
+    assert bt["k"] == 2 and _finite(bt["block_over_token_tokens_per_s"])
+
+    methods = {e["method"] for e in res["exactness"]}
+    assert methods == {"token", "block", "all"}
+    for e in res["exactness"]:
+        assert "p_value" in e and "p_value_permutation" in e and e["n_a"] > 0 and e["n_b"] > 0
+
+    assert res["peer"]["available"] is False and res["peer"]["reason"]
