@@ -179,18 +179,7 @@ def load_config(name_or_path: str, **overrides) -> BenchConfig:
 # models, drafts, prompts
 
 
-def first_layers_draft(target, n_layers: int):
-    """A training-free draft: the target's first ``n_layers`` layers with its embedding,
-    final norm and head (same vocabulary, same dtype settings)."""
-    from models.llama import LlamaLM
-
-    cfg = target.config
-    if not 1 <= n_layers <= cfg.n_layers:
-        raise ValueError(f"layers:{n_layers}: the target has {cfg.n_layers} layers")
-    w = target.canonical_weights()
-    w = {k: (v[:n_layers] if getattr(v, "ndim", 0) >= 1 and v.shape[0] == cfg.n_layers
-             and k not in ("embed", "final_norm", "lm_head") else v) for k, v in w.items()}
-    return LlamaLM.from_weights(cfg.replace(n_layers=n_layers, name=f"{cfg.name}-first{n_layers}"), w)
+from specjax.drafts import first_layers_draft  # noqa: E402  (re-exported for the benchmark)
 
 
 TINY = dict(vocab_size=64, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)

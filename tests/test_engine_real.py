@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from specjax import engine, sampling
+from specjax.drafts import first_layers_draft
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -16,16 +17,6 @@ def real():
     target, _ = models.load_default_target()
     tok = models.load_default_tokenizer()
     return target, tok
-
-
-def first_layers_draft(target, n_layers):
-    """A training-free draft: the target's first layers with its embedding and head."""
-    from models.llama import LlamaLM
-
-    w = target.canonical_weights()
-    w = {k: (v[:n_layers] if getattr(v, "ndim", 0) >= 1 and v.shape[0] == target.config.n_layers
-             and k not in ("embed", "final_norm", "lm_head") else v) for k, v in w.items()}
-    return LlamaLM.from_weights(target.config.replace(n_layers=n_layers), w)
 
 
 def test_real_model_speculative_greedy_equals_autoregressive(real):
