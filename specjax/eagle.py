@@ -40,6 +40,7 @@ from specjax.proposers import (
     ModelBackedProposer,
     Proposal,
     ProposeContext,
+    draft_chain,
     process_rows,
     sample_rows,
 )
@@ -86,19 +87,10 @@ class EagleProposer(ModelBackedProposer):
             counts = counts + jax.nn.one_hot(x, v, dtype=counts.dtype)
             return (cache, hn[:, 0], counts), (x, lp)
 
-        carry = (cache, state["h"], ctx.counts)
-        if self.k > 1:
-            carry, (xs, lps) = jax.lax.scan(step, carry, jnp.arange(self.k - 1))
-            xs, lps = jnp.moveaxis(xs, 0, 1), jnp.moveaxis(lps, 0, 1)
-        cache, h, counts = carry
-        x_last, lp_last = draw(h, counts, self.k - 1)
-        if self.k > 1:
-            tokens = jnp.concatenate([xs, x_last[:, None]], axis=1)
-            logprobs = jnp.concatenate([lps, lp_last[:, None]], axis=1)
-        else:
-            tokens, logprobs = x_last[:, None], lp_last[:, None]
+        (cache, _, _), tokens, logprobs = draft_chain(
+            self.k, step, lambda c, i: draw(c[1], c[2], i), (cache, state["h"], ctx.counts))
         b = tokens.shape[0]
-        return Proposal(tokens.astype(jnp.int32), logprobs, jnp.full((b,), self.k, jnp.int32),
+        return Proposal(tokens, logprobs, jnp.full((b,), self.k, jnp.int32),
                         dict(cache=cache, h=state["h"]))
 
     def commit(self, params, state, ctx: CommitContext):

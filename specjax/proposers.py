@@ -95,6 +95,24 @@ def sample_rows(keys, logprobs):
     return jax.vmap(sampling.sample)(keys, logprobs)
 
 
+def draft_chain(k: int, step, final_draw, carry):
+    """A K-token autoregressive draft: ``step(carry, i) -> (carry, (x_i, lp_i))`` for the
+    first K-1 positions under ``lax.scan`` (each feeds its token to the draft), then
+    ``final_draw(carry, K-1) -> (x_K, lp_K)`` (the last token is never fed).
+
+    Returns ``(carry, tokens int32[B, K], logprobs [B, K, V])``."""
+    if k > 1:
+        carry, (xs, lps) = jax.lax.scan(step, carry, jnp.arange(k - 1))
+        xs, lps = jnp.moveaxis(xs, 0, 1), jnp.moveaxis(lps, 0, 1)
+    x_last, lp_last = final_draw(carry, k - 1)
+    if k > 1:
+        tokens = jnp.concatenate([xs, x_last[:, None]], axis=1)
+        logprobs = jnp.concatenate([lps, lp_last[:, None]], axis=1)
+    else:
+        tokens, logprobs = x_last[:, None], lp_last[:, None]
+    return carry, tokens.astype(jnp.int32), logprobs
+
+
 class ModelBackedProposer:
     """Base of proposers that wrap a draft model (``self.model``): the vocabulary size
     and the parameters handed to the jitted program are the model's."""
@@ -144,19 +162,10 @@ class DraftModelProposer(ModelBackedProposer):
             counts = counts + jax.nn.one_hot(x, v, dtype=counts.dtype)
             return (o.cache, o.logits[:, 0], counts), (x, lp)
 
-        carry = (out.cache, logits0, ctx.counts)
-        if self.k > 1:
-            carry, (xs, lps) = jax.lax.scan(step, carry, jnp.arange(self.k - 1))
-            xs, lps = jnp.moveaxis(xs, 0, 1), jnp.moveaxis(lps, 0, 1)
-        cache, logits, counts = carry
-        x_last, lp_last = draw(logits, counts, self.k - 1)
-        if self.k > 1:
-            tokens = jnp.concatenate([xs, x_last[:, None]], axis=1)
-            logprobs = jnp.concatenate([lps, lp_last[:, None]], axis=1)
-        else:
-            tokens, logprobs = x_last[:, None], lp_last[:, None]
+        (cache, _, _), tokens, logprobs = draft_chain(
+            self.k, step, lambda c, i: draw(c[1], c[2], i), (out.cache, logits0, ctx.counts))
         b = tokens.shape[0]
-        return Proposal(tokens.astype(jnp.int32), logprobs, jnp.full((b,), self.k, jnp.int32), cache)
+        return Proposal(tokens, logprobs, jnp.full((b,), self.k, jnp.int32), cache)
 
     def _draw(self, keys, logits, counts, ctx):
         """Process [B, V] draft logits with the shared pipeline and sample one token per row.
