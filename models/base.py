@@ -24,7 +24,8 @@ from flax import struct
 class KVCache:
     """Explicit KV cache pytree.
 
-    k, v: [L, B, S, N_kv, H] (layers, batch, slots, kv heads, head dim)
+    k, v: [L, B, N_kv, S, H] (layers, batch, kv heads, slots, head dim): each head's slots
+    are contiguous, so attention reads a chunk of slots as a plain slice
     lengths: int32[B], number of valid slots per row (= position of the next token).
     """
 
@@ -34,7 +35,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths)

@@ -50,14 +50,14 @@ def _param(value, names: tuple) -> nnx.Param:
 
 
 def _masked_attention(q, k, v, mask):
-    """q [B,T,N,H], k/v [B,S,Nkv,H], mask bool[B,T,S] -> [B,T,N,H]."""
+    """q [B,T,N,H], k/v [B,Nkv,S,H], mask bool[B,T,S] -> [B,T,N,H]."""
     B, T, N, H = q.shape
-    nkv = k.shape[2]
+    nkv = k.shape[1]
     q = q.reshape(B, T, nkv, N // nkv, H)
-    s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(H)
+    s = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(H)
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bksh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, N, H).astype(q.dtype)
 
 
@@ -94,9 +94,9 @@ class Layer(nnx.Module):
         q = apply_rope((h @ self.wq[...].astype(dt)).reshape(B, T, N, H), cos, sin)
         k = apply_rope((h @ self.wk[...].astype(dt)).reshape(B, T, Nkv, H), cos, sin)
         v = (h @ self.wv[...].astype(dt)).reshape(B, T, Nkv, H)
-        b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        k_all = k_all.at[layer, b_idx, slots].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[layer, b_idx, slots].set(v.astype(v_all.dtype), mode="drop")
+        b_idx, h_idx = jnp.arange(B)[:, None, None], jnp.arange(Nkv)[None, None, :]
+        k_all = k_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(v.astype(v_all.dtype), mode="drop")
         o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
         x = x + o.reshape(B, T, N * H) @ self.wo[...].astype(dt)
         h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
@@ -278,7 +278,7 @@ class EagleHead(nnx.Module):
         [B, T] (the token after each) -> predicted next hidden [B, T, D], new cache."""
         lcfg = self.cfg.layer_config()
         B, T = tokens.shape
-        S = cache.k.shape[2]
+        S = cache.max_len
         lengths = cache.lengths.astype(jnp.int32)
         positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         cos, sin = rope_tables(positions, lcfg)
@@ -300,7 +300,7 @@ class EagleHead(nnx.Module):
         B, T = tokens.shape
         n = int(n_steps)
         S = n * T
-        shape = (self.cfg.n_layers, B, S, lcfg.n_kv_heads, lcfg.head_dim)
+        shape = (self.cfg.n_layers, B, lcfg.n_kv_heads, S, lcfg.head_dim)
         k_all = jnp.zeros(shape, dt)
         v_all = jnp.zeros(shape, dt)
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
@@ -376,7 +376,7 @@ class EagleModel:
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         lc = self.config.layer_config()
-        shape = (lc.n_layers, batch, max_len, lc.n_kv_heads, lc.head_dim)
+        shape = (lc.n_layers, batch, lc.n_kv_heads, max_len, lc.head_dim)
         dt = lc.compute_dtype
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
 

@@ -237,32 +237,49 @@ def apply_rope(x, cos, sin):
 
 
 def _write_cache(c_all, layer, new, positions):
-    """Write new [B, T, Nkv, H] into c_all [L, B, S, Nkv, H] at (layer, b, positions[b, t]).
+    """Write new [B, T, Nkv, H] into c_all [L, B, Nkv, S, H] at (layer, b, :, positions[b, t]).
 
     Positions >= S are dropped (never clamped onto other slots)."""
     B, T = positions.shape
+    new = new.astype(c_all.dtype)
     if B == 1:
         # a single row: a dynamic_update_slice (in place) is cheaper than a scatter
-        upd = new.astype(c_all.dtype)[None]
-        S = c_all.shape[2]
+        upd = jnp.transpose(new, (0, 2, 1, 3))[None]  # [1, 1, Nkv, T, H]
+        S = c_all.shape[3]
         start = positions[0, 0]
         ok = start + T <= S
         # out of room: keep the old content (drop), like the scatter below
-        cur = jax.lax.dynamic_slice(c_all, (layer, 0, jnp.minimum(start, S - T), 0, 0), upd.shape)
-        upd = jnp.where(ok, upd, cur)
-        return jax.lax.dynamic_update_slice(c_all, upd, (layer, 0, jnp.minimum(start, S - T), 0, 0))
-    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return c_all.at[layer, b_idx, positions].set(new.astype(c_all.dtype), mode="drop")
+        at = (layer, 0, 0, jnp.minimum(start, S - T), 0)
+        cur = jax.lax.dynamic_slice(c_all, at, upd.shape)
+        return jax.lax.dynamic_update_slice(c_all, jnp.where(ok, upd, cur), at)
+    Nkv = new.shape[2]
+    b_idx = jnp.arange(B)[:, None, None]
+    h_idx = jnp.arange(Nkv)[None, None, :]
+    return c_all.at[layer, b_idx, h_idx, positions[:, :, None]].set(new, mode="drop")
+
+
+def _heads_first(q):
+    """q [B, T, Nkv, G, H] -> [B, Nkv, T*G, H] (row index t*G + g)."""
+    B, T, Nkv, G, H = q.shape
+    return jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(B, Nkv, T * G, H)
+
+
+def _heads_last(o, T):
+    """[B, Nkv, T*G, H] -> [B, T, Nkv, G, H]."""
+    B, Nkv, TG, H = o.shape
+    return jnp.transpose(o.reshape(B, Nkv, T, TG // T, H), (0, 2, 1, 3, 4))
 
 
 def attention(q, k, v, mask):
-    """One pass. q [B,T,Nkv,G,H], k/v [B,S,Nkv,H], mask bool[B,T,S] -> [B,T,Nkv,G,H]."""
+    """One pass. q [B,T,Nkv,G,H], k/v [B,Nkv,S,H], mask bool[B,T,S] -> [B,T,Nkv,G,H]."""
+    B, T, _, G, _ = q.shape
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, None, None], s, _NEG)
+    s = jnp.einsum("bkqh,bksh->bkqs", _heads_first(q), k, preferred_element_type=jnp.float32) * scale
+    qmask = jnp.repeat(mask, G, axis=1)  # [B, T*G, S]
+    s = jnp.where(qmask[:, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.astype(q.dtype)
+    o = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _heads_last(o, T).astype(q.dtype)
 
 
 _NEG = -1e30  # finite "minus infinity": a fully masked chunk gives exp(_NEG - m) = 0, never NaN
@@ -270,13 +287,15 @@ _NEG = -1e30  # finite "minus infinity": a fully masked chunk gives exp(_NEG - m
 
 def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
     """Causal attention of q [B,T,Nkv,G,H] (at ``positions`` [B,T]) over layer ``layer`` of
-    the cache ``[L,B,S,Nkv,H]``: slot s is visible to position p iff s <= p.
+    the cache ``[L,B,Nkv,S,H]``: slot s is visible to position p iff s <= p.
 
     With ``0 < chunk < S`` only ``ceil((max(positions)+1) / chunk)`` chunks of slots are read
     (a ``fori_loop`` with a dynamic trip count and an online softmax), so the cost follows the
     longest live row, not ``max_len``. Slot 0 is always visible, so the running max is finite
-    after the first chunk and fully masked chunks contribute exactly zero."""
-    L, B, S, Nkv, H = k_all.shape
+    after the first chunk and fully masked chunks contribute exactly zero. The cache keeps
+    each head's slots contiguous ([.., Nkv, S, H]), so a chunk is a plain slice and both
+    products are batched over (row, kv head) without transposing the cache."""
+    L, B, Nkv, S, H = k_all.shape
     T, G = q.shape[1], q.shape[3]
     dt = q.dtype
     if chunk <= 0 or chunk >= S:
@@ -285,33 +304,35 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
         return attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
 
     scale = 1.0 / math.sqrt(H)
+    qh = _heads_first(q) * jnp.asarray(scale, dt)  # [B, Nkv, TG, H]
+    qpos = jnp.repeat(positions, G, axis=1)  # [B, TG]
     n_chunks = (jnp.max(positions) + chunk) // chunk  # chunks holding slots 0..max position
 
     def body(c, carry):
-        m, l, acc = carry  # [B,Nkv,G,T], [B,Nkv,G,T], [B,Nkv,G,T,H] (float32)
+        m, l, acc = carry  # [B,Nkv,TG], [B,Nkv,TG], [B,Nkv,TG,H] (float32)
         nominal = c * chunk
         start = jnp.minimum(nominal, S - chunk)  # the last chunk may overlap the previous one
-        kc = jax.lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, B, chunk, Nkv, H))[0].astype(dt)
-        vc = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, chunk, Nkv, H))[0].astype(dt)
+        kc = jax.lax.dynamic_slice(k_all, (layer, 0, 0, start, 0), (1, B, Nkv, chunk, H))[0].astype(dt)
+        vc = jax.lax.dynamic_slice(v_all, (layer, 0, 0, start, 0), (1, B, Nkv, chunk, H))[0].astype(dt)
         slots = start + jnp.arange(chunk, dtype=jnp.int32)
-        ok = (slots[None, None, :] <= positions[:, :, None]) & (slots >= nominal)[None, None, :]  # [B,T,C]
-        s = jnp.einsum("btkgh,bskh->bkgts", q, kc, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(ok[:, None, None], s, _NEG)
+        ok = (slots[None, None, :] <= qpos[:, :, None]) & (slots >= nominal)[None, None, :]  # [B,TG,C]
+        s = jnp.einsum("bkqh,bkch->bkqc", qh, kc, preferred_element_type=jnp.float32)
+        s = jnp.where(ok[:, None], s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
-        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(dt), vc, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("bkqc,bkch->bkqh", p.astype(dt), vc, preferred_element_type=jnp.float32)
         return m_new, l, acc * corr[..., None] + pv
 
+    TG = T * G
     init = (
-        jnp.full((B, Nkv, G, T), _NEG, jnp.float32),
-        jnp.zeros((B, Nkv, G, T), jnp.float32),
-        jnp.zeros((B, Nkv, G, T, H), jnp.float32),
+        jnp.full((B, Nkv, TG), _NEG, jnp.float32),
+        jnp.zeros((B, Nkv, TG), jnp.float32),
+        jnp.zeros((B, Nkv, TG, H), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    o = acc / l[..., None]  # [B,Nkv,G,T,H]
-    return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(dt)
+    return _heads_last(acc / l[..., None], T).astype(dt)
 
 
 # --------------------------------------------------------------------------------------
@@ -599,7 +620,7 @@ class LlamaLM:
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.config
-        shape = (c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim)
+        shape = (c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim)
         dt = c.compute_dtype if dtype is None else dtype
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
 

@@ -23,7 +23,7 @@ loaded with :func:`load_sharding_config` into frozen dataclasses. A :class:`Mesh
   host weights placed shard by shard with ``jax.make_array_from_callback``);
 * ``plan.context()``: ``jax.set_mesh`` + ``nnx.logical_axis_rules`` around tracing, so
   the models' ``constrain()`` hooks apply; ``plan.constrain*``: constraints inside jit
-  (caches [L, B, S, Nkv, H] as (layers, batch, cache_seq, kv_heads, head_dim), logits
+  (caches [L, B, Nkv, S, H] as (layers, batch, kv_heads, cache_seq, head_dim), logits
   [B, T, V] as (batch, None, vocab));
 * ``plan.put(array, names)``: a host array as a global array (multi-host safe).
 
@@ -59,7 +59,7 @@ __all__ = [
 AXES = ("data", "model")
 ROLES = ("target", "draft")
 # logical names of the engine's arrays (the models name their parameters themselves)
-CACHE_NAMES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")  # KVCache.k / .v
+CACHE_NAMES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # KVCache.k / .v
 LOGITS_NAMES = ("batch", None, "vocab")  # [B, T, V]
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "mesh"
 
@@ -561,8 +561,8 @@ def tree_bytes_per_device(tree, shardings=None) -> int:
 
 def cache_bytes_per_device(cfg, batch: int, cache_len: int, plan: "MeshPlan", role: str,
                            dtype=None) -> int:
-    """K + V cache [L, B, S, Nkv, H] bytes on one device under the role's rules."""
-    shape = (cfg.n_layers, batch, cache_len, cfg.n_kv_heads, cfg.head_dim)
+    """K + V cache [L, B, Nkv, S, H] bytes on one device under the role's rules."""
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, cache_len, cfg.head_dim)
     dt = dtype or cfg.compute_dtype
     return 2 * shard_bytes(shape, dt, plan.sharding(CACHE_NAMES, shape, role))
 

@@ -511,7 +511,7 @@ def _forward(draft: Draft, trainable, tokens, hidden, n_steps):
 
     b, t = tokens.shape
     cfg = draft.config
-    shape = (cfg.n_layers, b, t, cfg.n_kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, b, cfg.n_kv_heads, t, cfg.head_dim)
     cache = KVCache(k=jnp.zeros(shape, cfg.compute_dtype), v=jnp.zeros(shape, cfg.compute_dtype),
                     lengths=jnp.zeros((b,), jnp.int32))
     lg = m(tokens, cache).logits

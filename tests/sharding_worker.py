@@ -156,14 +156,14 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
             cache = jax.jit(lambda p, t: plan.constrain_cache(
                 tg.apply(p, t, tg.init_cache(8, 16)).cache))(tg.params, plan.put(toks8))
         info["target_cache_spec"] = str(cache.k.sharding.spec)
-        info["target_cache_sharding_ok"] = bool(equivalent(cache.k, P(None, "data", None, "model")))
+        info["target_cache_sharding_ok"] = bool(equivalent(cache.k, P(None, "data", "model")))
 
         for m in METHODS:
             eng = engine.SpeculativeEngine(tg, DraftModelProposer(dr, K), K, m, sharding=plan)
             out = run(eng, m)
             case = summary(out)
             dc = out.raw["proposer_state"].k  # the draft's KV cache, as the loop left it
-            want = P(None, "data", None, "model") if cfg_name == "tp_draft_sharded" else P(None, "data")
+            want = P(None, "data", "model") if cfg_name == "tp_draft_sharded" else P(None, "data")
             case["draft_cache_spec"] = str(dc.sharding.spec)
             case["draft_cache_sharding_ok"] = bool(equivalent(dc, want))
             if m != "greedy":  # the compiled program generate just ran (cached: no recompile)

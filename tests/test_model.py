@@ -46,7 +46,7 @@ def test_protocol_shapes_and_dtypes(lm, seq):
     assert lm.vocab_size == 8
     cache = lm.init_cache(2, 16)
     assert isinstance(cache, KVCache)
-    assert cache.k.shape == (2, 2, 16, 2, 8) and cache.max_len == 16
+    assert cache.k.shape == (2, 2, 2, 16, 8) and cache.max_len == 16
     assert cache.lengths.dtype == jnp.int32
     out = jax.jit(lm.apply, static_argnames="return_hidden")(
         lm.params, jnp.asarray(np.repeat(seq[:, :5], 2, 0)), cache, return_hidden=True)
@@ -222,7 +222,7 @@ def test_tokens_past_the_cache_are_dropped_not_clamped(lm, seq):
         toks = jnp.asarray(np.repeat(seq[:, :6], batch, 0))
         c = jitted(lm)(lm.params, toks, lm.init_cache(batch, 8)).cache
         c2 = jitted(lm)(lm.params, toks[:, :4], c).cache  # slots 6..9: 8, 9 do not exist
-        np.testing.assert_array_equal(c2.k[:, :, :6], c.k[:, :, :6])
+        np.testing.assert_array_equal(c2.k[:, :, :, :6], c.k[:, :, :, :6])
 
 
 def test_config_validation_and_rope_scaling():

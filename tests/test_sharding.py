@@ -77,7 +77,7 @@ def test_spec_rules_fallback_and_axis_reuse():
     assert plan.spec(("layers", "batch", "cache_seq", "kv_heads", "head_dim"), (2, 8, 64, 8, 16)) == \
         P(None, "data", None, "model")
     # 3 kv heads on 4 devices: replicated, and recorded
-    assert plan.spec(S.CACHE_NAMES, (2, 8, 64, 3, 16)) == P(None, "data")
+    assert plan.spec(S.CACHE_NAMES, (2, 8, 3, 64, 16)) == P(None, "data")
     assert any("kv_heads" in m for m in plan.fallbacks.values())
     # a mesh axis serves one dimension only (the first that asks)
     assert plan.spec(("heads", "kv_heads"), (8, 8)) == P("model")
@@ -85,7 +85,7 @@ def test_spec_rules_fallback_and_axis_reuse():
     assert plan.spec(("embed", "vocab"), (32, 4096), role="draft") == P()
     strict = S.MeshPlan(_FakeMesh(), dataclasses.replace(cfg, indivisible="error"))
     with pytest.raises(ValueError, match="not divisible"):
-        strict.spec(S.CACHE_NAMES, (2, 8, 64, 3, 16))
+        strict.spec(S.CACHE_NAMES, (2, 8, 3, 64, 16))
 
 
 def test_distributed_helpers_are_noops_on_one_host(monkeypatch, capsys):
