@@ -52,6 +52,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
 from models.base import KVCache, ModelOutput
+from models.cpu_kernels import MATMUL_MODES, small_matmul, use_small_matmul
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -96,6 +97,9 @@ class LlamaConfig:
     attn_chunk: int = 256
     max_position: int = 8192  # informational (context length of the checkpoint)
     name: str = "llama"
+    # small-M float32 matmuls on CPU: "auto" (the FFI kernel of models/cpu_kernels.py where
+    # it applies), "kernel" (the same, a failed build is an error) or "xla". Speed only.
+    matmul: str = "auto"
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
@@ -109,6 +113,8 @@ class LlamaConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"LlamaConfig.{f}={getattr(self, f)!r}; expected one of {sorted(_DTYPES)}")
+        if self.matmul not in MATMUL_MODES:
+            raise ValueError(f"LlamaConfig.matmul={self.matmul!r}; expected one of {MATMUL_MODES}")
         if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -462,29 +468,31 @@ class Block(nnx.Module):
         Nkv, G, H = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
 
         h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-        qkv = _linear(h, self.wqkv[...].astype(dt)).reshape(B, T, Nkv, G + 2, H)
+        qkv = _linear(h, self.wqkv[...].astype(dt), cfg.matmul).reshape(B, T, Nkv, G + 2, H)
         q = apply_rope(qkv[:, :, :, :G], cos, sin)
         k = apply_rope(qkv[:, :, :, G], cos, sin)
         v = qkv[:, :, :, G + 1]
         k_all = _write_cache(k_all, layer, k, positions)
         v_all = _write_cache(v_all, layer, v, positions)
         o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk)  # [B,T,Nkv,G,H]
-        x = x + _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt))
+        x = x + _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.matmul)
         x = constrain(x, ("batch", None, "embed"))
 
         h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-        gu = _linear(h, self.w_gate_up[...].astype(dt)).reshape(B, T, 2, cfg.ffn_dim)
+        gu = _linear(h, self.w_gate_up[...].astype(dt), cfg.matmul).reshape(B, T, 2, cfg.ffn_dim)
         a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
-        x = x + _linear(a, self.w_down[...].astype(dt))
+        x = x + _linear(a, self.w_down[...].astype(dt), cfg.matmul)
         x = constrain(x, ("batch", None, "embed"))
         return x, k_all, v_all
 
 
-def _linear(x, w):
+def _linear(x, w, matmul: str = "xla"):
     """x [B, T, in] times a weight stored [*in, *out] -> [B, T, prod(out)].
 
     Both operands are flattened to 2-D first (free reshapes) so XLA sees one plain
-    matmul; a multi-dimensional operand makes XLA CPU transpose the weight every call."""
+    matmul; a multi-dimensional operand makes XLA CPU transpose the weight every call.
+    ``matmul`` is ``LlamaConfig.matmul``: small float32 matmuls on CPU may go to the
+    streaming FFI kernel (models/cpu_kernels.py), same result up to float32 rounding."""
     B, T, D = x.shape
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is not None and not mesh.empty:
@@ -495,7 +503,10 @@ def _linear(x, w):
         y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape((D,) + w.shape[k:]),
                                 (((1,), (0,)), ((), ())))
         return y.reshape((B, T) + w.shape[k:])  # [B, T, *out]: callers reshape as they need
-    y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape(D, -1), (((1,), (0,)), ((), ())))
+    x2, w2 = x.reshape(B * T, D), w.reshape(D, -1)
+    if use_small_matmul(matmul, x2, w2):
+        return small_matmul(x2, w2).reshape(B, T, -1)
+    y = jax.lax.dot_general(x2, w2, (((1,), (0,)), ((), ())))
     return y.reshape(B, T, -1)
 
 
@@ -557,7 +568,10 @@ class Llama(nnx.Module):
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        if dt == jnp.float32 and use_small_matmul(cfg.matmul, x.reshape(B * T, -1), head):
+            logits = small_matmul(x.reshape(B * T, -1), head).reshape(B, T, -1)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T)
         return ModelOutput(logits=logits.astype(jnp.float32), cache=new_cache,
                            hidden=x if return_hidden else None)

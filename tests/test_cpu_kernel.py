@@ -1,0 +1,144 @@
+"""The small-M FFI matmul (models/cpu_kernels.py): exact up to float32 rounding against a
+float64 reference, row results independent of the batch, differentiable, usable under
+jit/vmap/while_loop, chosen only where it applies, and really used by the model."""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_kernels as ck
+from models.llama import LlamaLM, tiny_config
+
+pytestmark = pytest.mark.skipif(ck._compiler() is None, reason="no C++ compiler to build the kernel")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    ok, why = ck.available()
+    assert ok, why  # a compiler is present, so a failed build is a real failure
+
+
+def _ref(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 9, 13, 16, 37, 64])
+@pytest.mark.parametrize("k,n", [(1, 64), (7, 192), (70, 128), (576, 960), (300, 4160)])
+def test_matches_float64_reference(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    y = np.asarray(jax.jit(ck.small_matmul)(x, w))
+    ref = _ref(x, w)
+    scale = np.sqrt(k)  # typical magnitude of a sum of k unit products
+    assert y.shape == (m, n) and y.dtype == np.float32
+    assert np.max(np.abs(y - ref)) < 2e-6 * scale * np.sqrt(k), np.max(np.abs(y - ref))
+
+
+def test_row_results_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((13, 576), dtype=np.float32)
+    w = rng.standard_normal((576, 1536), dtype=np.float32)
+    f = jax.jit(ck.small_matmul)
+    full = np.asarray(f(x, w))
+    for i in (0, 5, 6, 12):  # first / inside / start of a second register group / last
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
+    np.testing.assert_array_equal(np.asarray(f(x[3:9], w)), full[3:9])
+
+
+def test_gradients_and_jvp_match_xla():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((5, 96), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((96, 128), dtype=np.float32))
+    c = jnp.asarray(rng.standard_normal((5, 128), dtype=np.float32))
+    gk = jax.grad(lambda x, w: jnp.sum(ck.small_matmul(x, w) * c), argnums=(0, 1))(x, w)
+    gx = jax.grad(lambda x, w: jnp.sum((x @ w) * c), argnums=(0, 1))(x, w)
+    for a, b in zip(gk, gx):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    dx, dw = jnp.ones_like(x), jnp.zeros_like(w)
+    _, t = jax.jvp(ck.small_matmul, (x, w), (dx, dw))
+    np.testing.assert_allclose(t, dx @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_vmap_and_while_loop():
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((4, 3, 64), dtype=np.float32)
+    w = rng.standard_normal((64, 64), dtype=np.float32) / 8
+    got = jax.jit(jax.vmap(ck.small_matmul, in_axes=(0, None)))(xs, w)
+    np.testing.assert_allclose(got, np.einsum("bmk,kn->bmn", xs, w), rtol=1e-5, atol=1e-5)
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(ck.small_matmul(x, w)), x)
+
+    want = xs[0]
+    for _ in range(5):
+        want = np.tanh(want @ w)
+    np.testing.assert_allclose(jax.jit(loop)(xs[0]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_choice_only_where_it_applies():
+    f32 = lambda *s: jnp.zeros(s, jnp.float32)
+    assert ck.use_small_matmul("auto", f32(5, 64), f32(64, 128))
+    assert ck.use_small_matmul("kernel", f32(64, 8), f32(8, 64))
+    assert not ck.use_small_matmul("xla", f32(5, 64), f32(64, 128))
+    assert not ck.use_small_matmul("auto", f32(65, 64), f32(64, 128))  # M > MAX_ROWS
+    assert not ck.use_small_matmul("auto", f32(5, 64), f32(64, 100))  # N % 64
+    assert not ck.use_small_matmul("auto", jnp.zeros((5, 64), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="matmul mode"):
+        ck.use_small_matmul("fast", f32(5, 64), f32(64, 128))
+
+
+def test_kernel_mode_fails_loudly_when_unavailable(monkeypatch):
+    monkeypatch.setattr(ck, "_state", {"ok": False, "reason": "simulated build failure"})
+    f32 = lambda *s: jnp.zeros(s, jnp.float32)
+    with pytest.raises(RuntimeError, match="simulated build failure"):
+        ck.use_small_matmul("kernel", f32(5, 64), f32(64, 128))
+    monkeypatch.setattr(ck, "_warned", False)
+    with pytest.warns(UserWarning, match="simulated build failure"):
+        assert not ck.use_small_matmul("auto", f32(5, 64), f32(64, 128))
+
+
+def test_build_error_shows_the_compiler_output(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.cc"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(ck, "SOURCE", bad)
+    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="building the small-M matmul kernel failed"):
+        ck.build()
+    assert not list((tmp_path / "cache").glob("*.so"))  # no half-written library left behind
+
+
+def test_config_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="matmul"):
+        tiny_config(matmul="fastest")
+
+
+def test_model_uses_the_kernel_and_matches_xla():
+    cfg = tiny_config(vocab_size=128, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)
+    lm = LlamaLM.init(cfg, seed=0)
+    assert lm.config.matmul == "auto"
+    lmx = lm.with_config(matmul="xla")
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 7)), jnp.int32)
+    hlo = jax.jit(lm.apply).lower(lm.params, toks, lm.init_cache(2, 16)).as_text()
+    assert ck.TARGET_NAME in hlo  # the kernel really serves these matmuls
+    assert ck.TARGET_NAME not in jax.jit(lmx.apply).lower(lmx.params, toks, lmx.init_cache(2, 16)).as_text()
+    # prefill, then a 3-token verify-like step and a 1-token decode step
+    outs = []
+    for m in (lm, lmx):
+        c = m.init_cache(2, 16)
+        a = m.apply(m.params, toks[:, :4], c)
+        b = m.apply(m.params, toks[:, 4:7], a.cache)
+        outs.append((a.logits, b.logits))
+    for u, v in zip(*outs):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=2e-5)
+
+
+def test_cache_dir_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(tmp_path))
+    p1 = ck.build()
+    t1 = p1.stat().st_mtime_ns
+    p2 = ck.build()
+    assert p1 == p2 and p2.stat().st_mtime_ns == t1  # found in the cache, not rebuilt
+    shutil.rmtree(tmp_path)
