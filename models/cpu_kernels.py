@@ -1,4 +1,5 @@
-"""A small-M float32 matmul for XLA's CPU backend, called through the XLA FFI.
+"""CPU kernels for XLA's CPU backend, called through the XLA FFI: a small-M float32 matmul
+and a cached attention.
 
 Why it exists (measured with ``scripts/bench_step.py``): XLA CPU runs a one-row matmul
 (a decode step) as a streaming matrix-vector loop at memory bandwidth, but 2..9 rows (a
@@ -8,18 +9,22 @@ small. ``models/kernels/small_matmul.cc`` streams every weight matrix once for a
 ``M <= MAX_ROWS`` rows (see the comment at its top), which brings the 5-token step to
 ~1.2x of the 1-token step and makes the 1-token step itself no slower.
 
-The kernel is compiled on first use with the system C++ compiler (``$CXX`` or ``g++``,
+``models/kernels/attention.cc`` does a layer's cached attention (all rows and heads) in
+one call: XLA ran it as a loop of ~15 small ops per chunk of slots whose dispatch cost,
+not FLOPs, made attention ~4.5 ms of a ~25 ms 1-token step at 256 cached slots.
+
+The kernels are compiled on first use with the system C++ compiler (``$CXX`` or ``g++``,
 ``-O3 -march=native``) against the FFI headers shipped in jaxlib, cached under
 ``$SPECJAX_KERNEL_CACHE`` (default ``~/.cache/specjax/kernels``) keyed by the source,
-compiler, flags, jaxlib version and CPU flags, and registered as the FFI target
-``specjax_small_matmul``. Models choose it per matmul at trace time
-(:func:`use_small_matmul`): ``LlamaConfig.matmul`` = ``"auto"`` (default: the kernel where
-it applies and builds, else XLA with one warning), ``"kernel"`` (the same, but a failed
-build is an error) or ``"xla"`` (never). It applies to float32 ``x[M, K] @ w[K, N]`` with
-``M <= MAX_ROWS`` and ``N % 64 == 0`` on the CPU backend of a single-device process
-outside any mesh (a custom call is opaque to SPMD partitioning, so sharded runs keep
-XLA's dot). Gradients go through :func:`small_matmul`'s ``custom_jvp`` rule, which uses
-XLA's dot, so training is unaffected.
+compiler, flags, jaxlib version and CPU flags, and registered as the FFI targets
+``specjax_small_matmul`` and ``specjax_attention``. Models choose them at trace time
+(:func:`use_small_matmul`, :func:`use_attention`): ``LlamaConfig.cpu_kernels`` =
+``"auto"`` (default: a kernel where it applies and builds, else XLA with one warning),
+``"kernel"`` (the same, but a failed build is an error) or ``"xla"`` (never). They apply
+to float32 on the CPU backend of a single-device process outside any mesh (a custom call
+is opaque to SPMD partitioning, so sharded runs keep XLA's ops); the matmul to
+``x[M, K] @ w[K, N]`` with ``M <= MAX_ROWS`` and ``N % 64 == 0``. Gradients go through
+``custom_jvp`` rules that use XLA's ops, so training is unaffected.
 
 Numerics: each output element accumulates over K in an order that depends only on K and
 the thread count (never on M or the other rows), so a row's result does not depend on the
@@ -41,11 +46,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-MAX_ROWS = 64  # the kernel serves x[M, K] with M <= MAX_ROWS (measured crossover: BENCHMARKS.md)
+MAX_ROWS = 16  # the kernel serves x[M, K] with M <= MAX_ROWS (crossover with XLA at M ~ 20: BENCHMARKS.md)
 COL_MULTIPLE = 64
 MATMUL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
-SOURCE = Path(__file__).resolve().parent / "kernels" / "small_matmul.cc"
+ATTENTION_TARGET = "specjax_attention"
+SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f for f in ("small_matmul.cc", "attention.cc"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -77,32 +83,33 @@ def cache_dir() -> Path:
 
 
 def build(force: bool = False) -> Path:
-    """Compile the kernel (or find it in the cache) and return the shared library's path.
-    Raises RuntimeError with the compiler's output if it cannot be built."""
+    """Compile the kernels (or find them in the cache) into one shared library; return its
+    path. Raises RuntimeError with the compiler's output if they cannot be built."""
     cxx = _compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++) to build the small-M matmul kernel")
-    if not SOURCE.exists():
-        raise RuntimeError(f"kernel source missing: {SOURCE}")
+        raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++) to build the CPU kernels")
+    for src in SOURCES:
+        if not src.exists():
+            raise RuntimeError(f"kernel source missing: {src}")
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr(version).encode(), repr(CXX_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), repr(version).encode(), repr(CXX_FLAGS).encode(),
                  jax.__version__.encode(), importlib.metadata.version("jaxlib").encode(),
                  _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
-    out = cache_dir() / f"small_matmul-{h.hexdigest()[:16]}.so"
+    out = cache_dir() / f"specjax_kernels-{h.hexdigest()[:16]}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"building the small-M matmul kernel failed: {' '.join(cmd)}\n{r.stderr[-4000:]}")
+        raise RuntimeError(f"building the CPU kernels failed: {' '.join(cmd)}\n{r.stderr[-4000:]}")
     os.replace(tmp, out)  # atomic: concurrent processes see either nothing or the whole file
     return out
 
@@ -115,6 +122,7 @@ def _ensure() -> tuple[bool, str]:
             path = build()
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
+            jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
             _state.update(ok=True, reason="", path=str(path), lib=lib)
         except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
             _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
@@ -122,18 +130,25 @@ def _ensure() -> tuple[bool, str]:
 
 
 def available() -> tuple[bool, str]:
-    """(True, "") when the kernel is built and registered, else (False, why)."""
+    """(True, "") when the kernels are built and registered, else (False, why)."""
     return _ensure()
 
 
+def _require():
+    ok, reason = _ensure()
+    if not ok:
+        raise RuntimeError(f"specjax CPU kernels unavailable: {reason}")
+
+
 def _raw(x: jax.Array, w: jax.Array) -> jax.Array:
+    _require()
     return jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
                             vmap_method="sequential")(x, w)
 
 
 @jax.custom_jvp
 def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x[M, K] @ w[K, N]`` in float32 with the FFI kernel (call :func:`available` first)."""
+    """``x[M, K] @ w[K, N]`` in float32 with the FFI kernel (built and registered on first use)."""
     return _raw(x, w)
 
 
@@ -153,16 +168,13 @@ def _small_matmul_jvp(primals, tangents):
 _warned = False
 
 
-def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
-    """Trace-time choice for one 2-D matmul ``x[M, K] @ w[K, N]`` (see the module docs)."""
+def _usable(mode: str) -> bool:
+    """The checks shared by every kernel: the mode, backend, device count, mesh and build."""
     global _warned
     if mode == "xla":
         return False
     if mode not in MATMUL_MODES:
-        raise ValueError(f"matmul mode {mode!r}; expected one of {MATMUL_MODES}")
-    if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
-            or x.shape[0] > MAX_ROWS or w.shape[1] % COL_MULTIPLE or x.shape[1] != w.shape[0]):
-        return False
+        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {MATMUL_MODES}")
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     mesh = jax.sharding.get_abstract_mesh()
@@ -171,14 +183,42 @@ def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
     ok, reason = _ensure()
     if not ok:
         if mode == "kernel":
-            raise RuntimeError(f"LlamaConfig.matmul='kernel' but the kernel is unavailable: {reason}")
+            raise RuntimeError(f"LlamaConfig.cpu_kernels='kernel' but the kernels are unavailable: {reason}")
         if not _warned:
             _warned = True
-            warnings.warn(f"specjax: small-M matmul kernel unavailable, using XLA's dot ({reason})", stacklevel=2)
+            warnings.warn(f"specjax: CPU kernels unavailable, using XLA's ops ({reason})", stacklevel=3)
         return False
     return True
 
 
+def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
+    """Trace-time choice for one 2-D matmul ``x[M, K] @ w[K, N]`` (see the module docs)."""
+    if mode not in MATMUL_MODES:
+        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {MATMUL_MODES}")
+    if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
+            or x.shape[0] > MAX_ROWS or w.shape[1] % COL_MULTIPLE or x.shape[1] != w.shape[0]):
+        return False
+    return _usable(mode)
+
+
+def use_attention(mode: str, q: jax.Array, k_all: jax.Array) -> bool:
+    """Trace-time choice for a layer's cached attention (float32 query and cache)."""
+    if mode not in MATMUL_MODES:
+        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {MATMUL_MODES}")
+    if q.dtype != jnp.float32 or k_all.dtype != jnp.float32 or q.ndim != 5 or k_all.ndim != 5:
+        return False
+    return _usable(mode)
+
+
+def attention_raw(q, k_all, v_all, layer, positions) -> jax.Array:
+    """The attention kernel (no autodiff rule: models/llama.py wraps it in a custom_jvp).
+    q [B,T,Nkv,G,H], k_all/v_all [L,B,Nkv,S,H], layer int32[], positions int32[B,T]."""
+    _require()
+    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")(
+        q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32))
+
+
 def describe() -> str:
     ok, reason = _ensure()
-    return f"small_matmul kernel: {'ok ' + _state.get('path', '') if ok else 'unavailable: ' + reason}"
+    return f"specjax CPU kernels: {'ok ' + _state.get('path', '') if ok else 'unavailable: ' + reason}"

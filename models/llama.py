@@ -41,6 +41,7 @@ set (``jax.set_mesh``) with logical axis rules (``nnx.logical_axis_rules``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Optional
 
@@ -52,7 +53,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
 from models.base import KVCache, ModelOutput
-from models.cpu_kernels import MATMUL_MODES, small_matmul, use_small_matmul
+from models.cpu_kernels import MATMUL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -97,9 +98,9 @@ class LlamaConfig:
     attn_chunk: int = 256
     max_position: int = 8192  # informational (context length of the checkpoint)
     name: str = "llama"
-    # small-M float32 matmuls on CPU: "auto" (the FFI kernel of models/cpu_kernels.py where
-    # it applies), "kernel" (the same, a failed build is an error) or "xla". Speed only.
-    matmul: str = "auto"
+    # float32 CPU kernels (models/cpu_kernels.py: small-M matmul, cached attention): "auto"
+    # (where they apply), "kernel" (the same, a failed build is an error) or "xla". Speed only.
+    cpu_kernels: str = "auto"
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
@@ -113,8 +114,8 @@ class LlamaConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"LlamaConfig.{f}={getattr(self, f)!r}; expected one of {sorted(_DTYPES)}")
-        if self.matmul not in MATMUL_MODES:
-            raise ValueError(f"LlamaConfig.matmul={self.matmul!r}; expected one of {MATMUL_MODES}")
+        if self.cpu_kernels not in MATMUL_MODES:
+            raise ValueError(f"LlamaConfig.cpu_kernels={self.cpu_kernels!r}; expected one of {MATMUL_MODES}")
         if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -341,6 +342,21 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
     return _heads_last(acc / l[..., None], T).astype(dt)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def kernel_attention(q, k_all, v_all, layer, positions, chunk: int):
+    """:func:`cached_attention` by the FFI kernel (models/kernels/attention.cc), float32 CPU.
+    Its derivative is that of :func:`cached_attention` (XLA), so training is unaffected."""
+    return attention_raw(q, k_all, v_all, layer, positions)
+
+
+@kernel_attention.defjvp
+def _kernel_attention_jvp(chunk, primals, tangents):
+    q, k_all, v_all, layer, positions = primals
+    dq, dk, dv = tangents[:3]
+    return jax.jvp(lambda q, k, v: cached_attention(q, k, v, layer, positions, chunk),
+                   (q, k_all, v_all), (dq, dk, dv))
+
+
 # --------------------------------------------------------------------------------------
 # Layout conversion: canonical (HF-like) <-> internal fused
 # --------------------------------------------------------------------------------------
@@ -468,20 +484,23 @@ class Block(nnx.Module):
         Nkv, G, H = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
 
         h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-        qkv = _linear(h, self.wqkv[...].astype(dt), cfg.matmul).reshape(B, T, Nkv, G + 2, H)
+        qkv = _linear(h, self.wqkv[...].astype(dt), cfg.cpu_kernels).reshape(B, T, Nkv, G + 2, H)
         q = apply_rope(qkv[:, :, :, :G], cos, sin)
         k = apply_rope(qkv[:, :, :, G], cos, sin)
         v = qkv[:, :, :, G + 1]
         k_all = _write_cache(k_all, layer, k, positions)
         v_all = _write_cache(v_all, layer, v, positions)
-        o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk)  # [B,T,Nkv,G,H]
-        x = x + _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.matmul)
+        if use_attention(cfg.cpu_kernels, q, k_all):
+            o = kernel_attention(q, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk)
+        else:
+            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk)  # [B,T,Nkv,G,H]
+        x = x + _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.cpu_kernels)
         x = constrain(x, ("batch", None, "embed"))
 
         h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-        gu = _linear(h, self.w_gate_up[...].astype(dt), cfg.matmul).reshape(B, T, 2, cfg.ffn_dim)
+        gu = _linear(h, self.w_gate_up[...].astype(dt), cfg.cpu_kernels).reshape(B, T, 2, cfg.ffn_dim)
         a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
-        x = x + _linear(a, self.w_down[...].astype(dt), cfg.matmul)
+        x = x + _linear(a, self.w_down[...].astype(dt), cfg.cpu_kernels)
         x = constrain(x, ("batch", None, "embed"))
         return x, k_all, v_all
 
@@ -491,7 +510,7 @@ def _linear(x, w, matmul: str = "xla"):
 
     Both operands are flattened to 2-D first (free reshapes) so XLA sees one plain
     matmul; a multi-dimensional operand makes XLA CPU transpose the weight every call.
-    ``matmul`` is ``LlamaConfig.matmul``: small float32 matmuls on CPU may go to the
+    ``matmul`` is ``LlamaConfig.cpu_kernels``: small float32 matmuls on CPU may go to the
     streaming FFI kernel (models/cpu_kernels.py), same result up to float32 rounding."""
     B, T, D = x.shape
     mesh = jax.sharding.get_abstract_mesh()
@@ -568,7 +587,7 @@ class Llama(nnx.Module):
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
-        if dt == jnp.float32 and use_small_matmul(cfg.matmul, x.reshape(B * T, -1), head):
+        if dt == jnp.float32 and use_small_matmul(cfg.cpu_kernels, x.reshape(B * T, -1), head):
             logits = small_matmul(x.reshape(B * T, -1), head).reshape(B, T, -1)
         else:
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)

@@ -40,8 +40,8 @@ def main(argv=None):
     ap.add_argument("--attn-chunk", type=int, default=None, help="override LlamaConfig.attn_chunk (0 = one pass)")
     ap.add_argument("--xla-opt", action="append", default=[],
                     help="per-jit XLA compiler option NAME=VALUE (repeatable), e.g. xla_cpu_multi_thread_eigen=false")
-    ap.add_argument("--matmul", default="auto", choices=["auto", "kernel", "xla"],
-                    help="LlamaConfig.matmul: the small-M FFI kernel (auto/kernel) or XLA's dot")
+    ap.add_argument("--cpu-kernels", default="auto", choices=["auto", "kernel", "xla"],
+                    help="LlamaConfig.cpu_kernels: the FFI kernels (auto/kernel) or XLA ops")
     ap.add_argument("--stat", default="median", choices=["median", "min"])
     args = ap.parse_args(argv)
 
@@ -58,14 +58,14 @@ def main(argv=None):
         lm, _ = load_gguf(args.gguf, dtype=args.dtype, param_dtype=args.dtype, scan_layers=args.scan_layers)
     if args.attn_chunk is not None:
         lm = lm.with_config(attn_chunk=args.attn_chunk)
-    lm = lm.with_config(matmul=args.matmul)
+    lm = lm.with_config(cpu_kernels=args.cpu_kernels)
     params = lm.params
     opts = {}
     for kv in args.xla_opt:
         k, v = kv.split("=", 1)
         opts[k] = {"true": True, "false": False}.get(v.lower(), v)
     print(f"{lm.config.name}: dtype={args.dtype} scan_layers={args.scan_layers} attn_chunk={lm.config.attn_chunk} xla_opts={opts} "
-          f"matmul={args.matmul} cache {args.cache_len}/{args.max_len}  backend={jax.default_backend()} devices={jax.device_count()}")
+          f"cpu_kernels={args.cpu_kernels} cache {args.cache_len}/{args.max_len}  backend={jax.default_backend()} devices={jax.device_count()}")
 
     step = jax.jit(lambda p, t, c: lm.apply(p, t, c).logits[:, -1].argmax(-1).astype(jnp.int32), )
     step_c = jax.jit(lambda p, t, c: lm.apply(p, t, c), donate_argnums=(2,), compiler_options=opts or None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from models import cpu_kernels as ck
-from models.llama import LlamaLM, tiny_config
+from models.llama import LlamaLM, cached_attention, kernel_attention, tiny_config
 
 pytestmark = pytest.mark.skipif(ck._compiler() is None, reason="no C++ compiler to build the kernel")
 
@@ -81,12 +81,12 @@ def test_vmap_and_while_loop():
 def test_choice_only_where_it_applies():
     f32 = lambda *s: jnp.zeros(s, jnp.float32)
     assert ck.use_small_matmul("auto", f32(5, 64), f32(64, 128))
-    assert ck.use_small_matmul("kernel", f32(64, 8), f32(8, 64))
+    assert ck.use_small_matmul("kernel", f32(ck.MAX_ROWS, 8), f32(8, 64))
     assert not ck.use_small_matmul("xla", f32(5, 64), f32(64, 128))
-    assert not ck.use_small_matmul("auto", f32(65, 64), f32(64, 128))  # M > MAX_ROWS
+    assert not ck.use_small_matmul("auto", f32(ck.MAX_ROWS + 1, 64), f32(64, 128))
     assert not ck.use_small_matmul("auto", f32(5, 64), f32(64, 100))  # N % 64
     assert not ck.use_small_matmul("auto", jnp.zeros((5, 64), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16))
-    with pytest.raises(ValueError, match="matmul mode"):
+    with pytest.raises(ValueError, match="cpu_kernels mode"):
         ck.use_small_matmul("fast", f32(5, 64), f32(64, 128))
 
 
@@ -103,27 +103,28 @@ def test_kernel_mode_fails_loudly_when_unavailable(monkeypatch):
 def test_build_error_shows_the_compiler_output(monkeypatch, tmp_path):
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++;\n")
-    monkeypatch.setattr(ck, "SOURCE", bad)
+    monkeypatch.setattr(ck, "SOURCES", (bad,))
     monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(RuntimeError, match="building the small-M matmul kernel failed"):
+    with pytest.raises(RuntimeError, match="building the CPU kernels failed"):
         ck.build()
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-written library left behind
 
 
 def test_config_rejects_unknown_mode():
-    with pytest.raises(ValueError, match="matmul"):
-        tiny_config(matmul="fastest")
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        tiny_config(cpu_kernels="fastest")
 
 
 def test_model_uses_the_kernel_and_matches_xla():
     cfg = tiny_config(vocab_size=128, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)
     lm = LlamaLM.init(cfg, seed=0)
-    assert lm.config.matmul == "auto"
-    lmx = lm.with_config(matmul="xla")
+    assert lm.config.cpu_kernels == "auto"
+    lmx = lm.with_config(cpu_kernels="xla")
     toks = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 7)), jnp.int32)
     hlo = jax.jit(lm.apply).lower(lm.params, toks, lm.init_cache(2, 16)).as_text()
-    assert ck.TARGET_NAME in hlo  # the kernel really serves these matmuls
-    assert ck.TARGET_NAME not in jax.jit(lmx.apply).lower(lmx.params, toks, lmx.init_cache(2, 16)).as_text()
+    assert ck.TARGET_NAME in hlo and ck.ATTENTION_TARGET in hlo  # the kernels really serve the model
+    hlo_x = jax.jit(lmx.apply).lower(lmx.params, toks, lmx.init_cache(2, 16)).as_text()
+    assert ck.TARGET_NAME not in hlo_x and ck.ATTENTION_TARGET not in hlo_x
     # prefill, then a 3-token verify-like step and a 1-token decode step
     outs = []
     for m in (lm, lmx):
@@ -142,3 +143,59 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
     p2 = ck.build()
     assert p1 == p2 and p2.stat().st_mtime_ns == t1  # found in the cache, not rebuilt
     shutil.rmtree(tmp_path)
+
+
+def test_engine_rows_do_not_depend_on_the_batch_with_the_kernel():
+    """The row-independence test of test_engine.py, on a model whose matmuls go through
+    the kernel (the tiny engine-test models are too narrow for it)."""
+    from specjax import engine, sampling
+
+    def mk(seed, layers):
+        return LlamaLM.init(tiny_config(vocab_size=128, n_layers=layers, dim=64, n_heads=4, n_kv_heads=2,
+                                        head_dim=16, ffn_dim=128), seed=seed)
+
+    target, draft = mk(11, 2), mk(22, 1)
+    cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 1.0], top_p=[1.0, 0.9, 1.0])
+    prompts = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1], [2, 2]]
+    batch = engine.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
+                            sampling_params=cfg, max_new_tokens=20)
+    for i in range(3):
+        one = sampling.SamplingParams.create(1, temperature=[float(cfg.temperature[i])],
+                                             top_p=[float(cfg.top_p[i])])
+        alone = engine.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
+                                sampling_params=one, max_new_tokens=20)
+        assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
+
+
+@pytest.mark.parametrize("B,T,G,H,S", [(1, 1, 3, 64, 300), (1, 5, 3, 64, 300), (3, 4, 2, 16, 40), (2, 9, 1, 8, 17)])
+def test_attention_kernel_matches_xla(B, T, G, H, S):
+    rng = np.random.default_rng(B * 100 + T)
+    L, Nkv = 2, 3
+    q = jnp.asarray(rng.standard_normal((B, T, Nkv, G, H), dtype=np.float32))
+    k_all = jnp.asarray(rng.standard_normal((L, B, Nkv, S, H), dtype=np.float32))
+    v_all = jnp.asarray(rng.standard_normal((L, B, Nkv, S, H), dtype=np.float32))
+    # rows at different lengths; the last row runs past the end of the cache (sees all S slots)
+    starts = [min(int(x), S - 1) for x in rng.integers(0, S - T, B)]
+    if B > 1:
+        starts[-1] = S - 2
+    pos = jnp.asarray(np.asarray(starts)[:, None] + np.arange(T)[None], jnp.int32)
+    for layer in (0, 1):
+        for chunk in (0, 8):
+            want = cached_attention(q, k_all, v_all, layer, pos, chunk)
+            got = jax.jit(kernel_attention, static_argnums=5)(q, k_all, v_all, jnp.int32(layer), pos, chunk)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # slots beyond a row's position never matter
+    k2 = k_all.at[:, :, :, int(pos.max()) + 1:].set(1e4) if int(pos.max()) + 1 < S else k_all
+    np.testing.assert_allclose(kernel_attention(q, k2, v_all, jnp.int32(1), pos, 0),
+                               kernel_attention(q, k_all, v_all, jnp.int32(1), pos, 0), rtol=0, atol=0)
+
+
+def test_attention_kernel_gradient_is_xlas():
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((1, 3, 2, 2, 16), dtype=np.float32))
+    kv = jnp.asarray(rng.standard_normal((1, 1, 2, 12, 16), dtype=np.float32))
+    pos = jnp.asarray([[4, 5, 6]], jnp.int32)
+    f = lambda q, k: jnp.sum(jnp.sin(kernel_attention(q, k, k, jnp.int32(0), pos, 0)))
+    g = lambda q, k: jnp.sum(jnp.sin(cached_attention(q, k, k, 0, pos, 0)))
+    for a, b in zip(jax.grad(f, argnums=(0, 1))(q, kv), jax.grad(g, argnums=(0, 1))(q, kv)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
