@@ -182,11 +182,12 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   job->pos = pos;
   job->o = o->typed_data();
   const int64_t tasks = job->d.B * job->d.Nkv;
-  // rough FLOPs; below ~2 MFLOP one thread beats waking the pool
+  // rough FLOPs; below ~20 MFLOP one thread beats waking the pool (measured: waking it for
+  // a 5-token step at 256 slots made the step times bimodal)
   int64_t maxpos = 0;
   for (int64_t i = 0; i < qd[0] * qd[1]; ++i) maxpos = pos[i] > maxpos ? pos[i] : maxpos;
   const double work = 4.0 * tasks * qd[1] * qd[3] * qd[4] * (maxpos + 1.0);
-  int64_t helpers = work > 2e6 ? pool.num_threads() : 0;
+  int64_t helpers = work > 2e7 ? pool.num_threads() : 0;
   if (helpers > tasks - 1) helpers = tasks - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job]() { job->Work(); });
   job->Work();

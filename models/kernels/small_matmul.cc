@@ -5,9 +5,10 @@
 // rows as a packed GEMM that reads the weights at ~2/3 of memory bandwidth, so a 5-token
 // verification step cost ~1.5x a 1-token decode step although its extra FLOPs are small.
 // This kernel streams each weight matrix from memory exactly once for any M:
-//   * the K (input) rows are split into one contiguous range per thread (the caller plus
-//     XLA's intra-op pool), so every thread reads whole rows sequentially; each range writes
-//     its own partial y, and the partials are summed at the end in a fixed order;
+//   * the K (input) rows are split into a few contiguous ranges (one per thread for wide
+//     matrices, two for narrow ones) and wide matrices also into column blocks; the caller
+//     and XLA's intra-op pool claim these tasks as they come. Each row range writes its own
+//     partial y, and the partials are summed at the end in a fixed order;
 //   * within a range, kTileRows rows at a time (kTileRows concurrent sequential streams)
 //     and kColBlock columns at a time (so the partial block stays in L1/L2), every 64-column
 //     unit keeps up to kMaxRows x 64 accumulators in vector registers, and the row tile
@@ -92,30 +93,33 @@ struct Job {
   int64_t m = 0, k = 0, n = 0, chunks = 0;
   float* out[kMaxChunks] = {};  // per-chunk partial y [m, n]
 
-  void Chunk(int64_t c) const {
+  int64_t col_blocks = 1;        // tasks = chunks x col_blocks, claimed dynamically
+
+  // rows [k0, k1) of chunk c times columns [c0, c1) of block j, into partial out[c]
+  void Task(int64_t task) const {
+    const int64_t c = task % chunks, j = task / chunks;
     const int64_t k0 = k * c / chunks, k1 = k * (c + 1) / chunks;
+    const int64_t c0 = j * kColBlock, c1 = c0 + kColBlock < n ? c0 + kColBlock : n;
     float* p = out[c];
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-    for (int64_t c0 = 0; c0 < n; c0 += kColBlock) {
-      const int64_t c1 = c0 + kColBlock < n ? c0 + kColBlock : n;
-      for (int64_t r0 = k0; r0 < k1; r0 += kTileRows) {
-        const int64_t rows = k1 - r0 < kTileRows ? k1 - r0 : kTileRows;
-        const float* w_tile = w + r0 * n;
-        for (int64_t u = c0; u < c1; u += kUnit)
-          for (int64_t g = 0; g < groups; ++g) {
-            const int tm = static_cast<int>(m - g * kMaxRows < kMaxRows ? m - g * kMaxRows : kMaxRows);
-            MicroAny(tm, xt + (g * k + r0) * kMaxRows, w_tile + u, rows, n,
-                     p + g * kMaxRows * n + u, r0 == k0);
-          }
-      }
+    for (int64_t r0 = k0; r0 < k1; r0 += kTileRows) {
+      const int64_t rows = k1 - r0 < kTileRows ? k1 - r0 : kTileRows;
+      const float* w_tile = w + r0 * n;
+      for (int64_t u = c0; u < c1; u += kUnit)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int tm = static_cast<int>(m - g * kMaxRows < kMaxRows ? m - g * kMaxRows : kMaxRows);
+          MicroAny(tm, xt + (g * k + r0) * kMaxRows, w_tile + u, rows, n, p + g * kMaxRows * n + u,
+                   r0 == k0);
+        }
     }
   }
 
   void Work() {
+    const int64_t tasks = chunks * col_blocks;
     for (;;) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= chunks) return;
-      Chunk(c);
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= tasks) return;
+      Task(t);
       done.fetch_add(1, std::memory_order_acq_rel);
     }
   }
@@ -141,7 +145,12 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
   int64_t threads = pool.num_threads();
   if (threads < 1) threads = 1;
-  int64_t chunks = threads < kMaxChunks ? threads : kMaxChunks;
+  // Work is split into tasks that threads claim as they come (a late-starting helper then
+  // costs little): wide matrices by column blocks of one row range per thread, narrow ones
+  // (one column block) by two row ranges per thread.
+  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
+  int64_t chunks = col_blocks >= 2 * threads ? threads : 2 * threads;
+  if (chunks > kMaxChunks) chunks = kMaxChunks;
   while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
 
   auto job = std::make_shared<Job>();
@@ -151,15 +160,18 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   job->k = k;
   job->n = n;
   job->chunks = chunks;
+  job->col_blocks = col_blocks;
   const int64_t stride = (m * n + 15) / 16 * 16;
   partial_buf.resize((chunks - 1) * stride + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_buf.data()) + 63) & ~uintptr_t{63});
   job->out[0] = y->typed_data();  // chunk 0 writes y directly; the others add into it below
   for (int64_t c = 1; c < chunks; ++c) job->out[c] = base + (c - 1) * stride;
 
-  for (int64_t h = 1; h < chunks; ++h) pool.Schedule([job]() { job->Work(); });
+  const int64_t tasks = chunks * col_blocks;
+  const int64_t helpers = threads - 1 < tasks - 1 ? threads - 1 : tasks - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job]() { job->Work(); });
   job->Work();
-  while (job->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
 
   float* yp = y->typed_data();
   for (int64_t c = 1; c < chunks; ++c) {
