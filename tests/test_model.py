@@ -276,6 +276,9 @@ def test_chunked_attention_equals_one_pass(chunk):
 def test_constrain_hooks_only_with_a_mesh(lm):
     """Block-boundary sharding constraints: absent without a mesh, present (and harmless)
     under a mesh with logical axis rules."""
+    # under a mesh the CPU kernels step aside (a custom call is opaque to SPMD), so the
+    # no-mesh reference uses XLA's ops too: then the results must agree to rounding noise
+    lm = lm.with_config(cpu_kernels="xla")
     toks, cache = jnp.zeros((1, 3), jnp.int32), lm.init_cache(1, 8)
     f = jax.jit(lambda p, t, c: lm.apply(p, t, c).logits)
     assert "sharding_constraint" not in f.lower(lm.params, toks, cache).as_text()
@@ -284,4 +287,7 @@ def test_constrain_hooks_only_with_a_mesh(lm):
     with jax.set_mesh(mesh), nnx.logical_axis_rules([("batch", "data"), ("embed", "model")]):
         g = jax.jit(lambda p, t, c: lm.apply(p, t, c).logits)
         assert "sharding_constraint" in g.lower(lm.params, toks, cache).as_text()
+        auto = lm.with_config(cpu_kernels="auto")
+        assert "specjax_attention" not in jax.jit(lambda p, t, c: auto.apply(p, t, c).logits).lower(
+            auto.params, toks, cache).as_text()
         np.testing.assert_allclose(g(lm.params, toks, cache), ref, atol=1e-6)
