@@ -48,14 +48,14 @@ import jax.numpy as jnp
 
 MAX_ROWS = 16  # the kernel serves x[M, K] with M <= MAX_ROWS (crossover with XLA at M ~ 20: BENCHMARKS.md)
 COL_MULTIPLE = 64
-MATMUL_MODES = ("auto", "kernel", "xla")
+KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
 ATTENTION_TARGET = "specjax_attention"
 SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f for f in ("small_matmul.cc", "attention.cc"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool, "reason": str, "path": str
+_state: dict = {}  # "ok": bool, "reason": str; once built: "path", "lib" (kept loaded)
 
 
 def _cpu_flags() -> str:
@@ -155,26 +155,24 @@ def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 @small_matmul.defjvp
 def _small_matmul_jvp(primals, tangents):
     x, w = primals
-    dx, dw = tangents
-    y = small_matmul(x, w)
-    dy = jnp.zeros_like(y)
-    if not isinstance(dx, jax.custom_derivatives.SymbolicZero) and dx is not None:
-        dy = dy + jnp.dot(dx, w)
-    if not isinstance(dw, jax.custom_derivatives.SymbolicZero) and dw is not None:
-        dy = dy + jnp.dot(x, dw)
-    return y, dy
+    dx, dw = tangents  # instantiated (zeros where a primal has no tangent)
+    return small_matmul(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)
 
 
 _warned = False
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {KERNEL_MODES}")
+
+
 def _usable(mode: str) -> bool:
-    """The checks shared by every kernel: the mode, backend, device count, mesh and build."""
+    """The checks shared by every kernel (after :func:`_check_mode`): the mode, backend,
+    device count, mesh and build."""
     global _warned
     if mode == "xla":
         return False
-    if mode not in MATMUL_MODES:
-        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {MATMUL_MODES}")
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     mesh = jax.sharding.get_abstract_mesh()
@@ -193,8 +191,7 @@ def _usable(mode: str) -> bool:
 
 def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
     """Trace-time choice for one 2-D matmul ``x[M, K] @ w[K, N]`` (see the module docs)."""
-    if mode not in MATMUL_MODES:
-        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {MATMUL_MODES}")
+    _check_mode(mode)
     if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
             or x.shape[0] > MAX_ROWS or w.shape[1] % COL_MULTIPLE or x.shape[1] != w.shape[0]):
         return False
@@ -203,8 +200,7 @@ def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
 
 def use_attention(mode: str, q: jax.Array, k_all: jax.Array) -> bool:
     """Trace-time choice for a layer's cached attention (float32 query and cache)."""
-    if mode not in MATMUL_MODES:
-        raise ValueError(f"cpu_kernels mode {mode!r}; expected one of {MATMUL_MODES}")
+    _check_mode(mode)
     if q.dtype != jnp.float32 or k_all.dtype != jnp.float32 or q.ndim != 5 or k_all.ndim != 5:
         return False
     return _usable(mode)
@@ -218,7 +214,3 @@ def attention_raw(q, k_all, v_all, layer, positions) -> jax.Array:
                             vmap_method="sequential")(
         q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32))
 
-
-def describe() -> str:
-    ok, reason = _ensure()
-    return f"specjax CPU kernels: {'ok ' + _state.get('path', '') if ok else 'unavailable: ' + reason}"

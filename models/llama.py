@@ -53,7 +53,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
 from models.base import KVCache, ModelOutput
-from models.cpu_kernels import MATMUL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
+from models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -114,8 +114,8 @@ class LlamaConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"LlamaConfig.{f}={getattr(self, f)!r}; expected one of {sorted(_DTYPES)}")
-        if self.cpu_kernels not in MATMUL_MODES:
-            raise ValueError(f"LlamaConfig.cpu_kernels={self.cpu_kernels!r}; expected one of {MATMUL_MODES}")
+        if self.cpu_kernels not in KERNEL_MODES:
+            raise ValueError(f"LlamaConfig.cpu_kernels={self.cpu_kernels!r}; expected one of {KERNEL_MODES}")
         if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -505,12 +505,12 @@ class Block(nnx.Module):
         return x, k_all, v_all
 
 
-def _linear(x, w, matmul: str = "xla"):
+def _linear(x, w, cpu_kernels: str = "xla"):
     """x [B, T, in] times a weight stored [*in, *out] -> [B, T, prod(out)].
 
     Both operands are flattened to 2-D first (free reshapes) so XLA sees one plain
     matmul; a multi-dimensional operand makes XLA CPU transpose the weight every call.
-    ``matmul`` is ``LlamaConfig.cpu_kernels``: small float32 matmuls on CPU may go to the
+    ``cpu_kernels`` is ``LlamaConfig.cpu_kernels``: small float32 matmuls on CPU may go to the
     streaming FFI kernel (models/cpu_kernels.py), same result up to float32 rounding."""
     B, T, D = x.shape
     mesh = jax.sharding.get_abstract_mesh()
@@ -523,7 +523,7 @@ def _linear(x, w, matmul: str = "xla"):
                                 (((1,), (0,)), ((), ())))
         return y.reshape((B, T) + w.shape[k:])  # [B, T, *out]: callers reshape as they need
     x2, w2 = x.reshape(B * T, D), w.reshape(D, -1)
-    if use_small_matmul(matmul, x2, w2):
+    if use_small_matmul(cpu_kernels, x2, w2):
         return small_matmul(x2, w2).reshape(B, T, -1)
     y = jax.lax.dot_general(x2, w2, (((1,), (0,)), ((), ())))
     return y.reshape(B, T, -1)
@@ -587,8 +587,9 @@ class Llama(nnx.Module):
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
-        if dt == jnp.float32 and use_small_matmul(cfg.cpu_kernels, x.reshape(B * T, -1), head):
-            logits = small_matmul(x.reshape(B * T, -1), head).reshape(B, T, -1)
+        x2 = x.reshape(B * T, -1)
+        if use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
+            logits = small_matmul(x2, head).reshape(B, T, -1)
         else:
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T)

@@ -162,20 +162,22 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> o) {
   const auto qd = q.dimensions(), kd = k_all.dimensions(), pd = positions.dimensions();
-  if (qd.size() != 5 || kd.size() != 5 || pd.size() != 2 || kd[1] != qd[0] || kd[2] != qd[2] ||
-      kd[4] != qd[4] || pd[0] != qd[0] || pd[1] != qd[1] || v_all.dimensions().size() != 5)
-    return ffi::Error::InvalidArgument("specjax attention: inconsistent shapes");
-  for (int i = 0; i < 5; ++i)
-    if (v_all.dimensions()[i] != kd[i])
-    return ffi::Error::InvalidArgument("specjax attention: inconsistent shapes");
+  const auto vd = v_all.dimensions();
+  bool ok = qd.size() == 5 && kd.size() == 5 && vd.size() == 5 && pd.size() == 2 && kd[1] == qd[0] &&
+            kd[2] == qd[2] && kd[4] == qd[4] && pd[0] == qd[0] && pd[1] == qd[1];
+  for (int i = 0; ok && i < 5; ++i) ok = vd[i] == kd[i];
+  if (!ok) return ffi::Error::InvalidArgument("specjax attention: inconsistent shapes");
   auto job = std::make_shared<Job>();
   job->d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[3]};
   job->layer = layer.typed_data()[0];
   if (job->layer < 0 || job->layer >= job->d.L)
     return ffi::Error::InvalidArgument("specjax attention: layer index out of range");
   const int32_t* pos = positions.typed_data();
-  for (int64_t i = 0; i < qd[0] * qd[1]; ++i)
+  int64_t maxpos = 0;
+  for (int64_t i = 0; i < qd[0] * qd[1]; ++i) {
     if (pos[i] < 0) return ffi::Error::InvalidArgument("specjax attention: negative position");
+    maxpos = pos[i] > maxpos ? pos[i] : maxpos;
+  }
   job->q = q.typed_data();
   job->k = k_all.typed_data();
   job->v = v_all.typed_data();
@@ -184,8 +186,6 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int64_t tasks = job->d.B * job->d.Nkv;
   // rough FLOPs; below ~20 MFLOP one thread beats waking the pool (measured: waking it for
   // a 5-token step at 256 slots made the step times bimodal)
-  int64_t maxpos = 0;
-  for (int64_t i = 0; i < qd[0] * qd[1]; ++i) maxpos = pos[i] > maxpos ? pos[i] : maxpos;
   const double work = 4.0 * tasks * qd[1] * qd[3] * qd[4] * (maxpos + 1.0);
   int64_t helpers = work > 2e7 ? pool.num_threads() : 0;
   if (helpers > tasks - 1) helpers = tasks - 1;

@@ -138,7 +138,7 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
-  // a claimed chunk, and the caller waits for every claimed chunk to finish.
+  // a claimed task, and the caller waits for every task to finish.
   thread_local std::vector<float> xt_buf, partial_buf;
   xt_buf.assign(groups * k * kMaxRows, 0.f);
   const float* xp = x.typed_data();
