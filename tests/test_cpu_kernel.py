@@ -167,7 +167,12 @@ def test_engine_rows_do_not_depend_on_the_batch_with_the_kernel():
         assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
 
 
-@pytest.mark.parametrize("B,T,G,H,S", [(1, 1, 3, 64, 300), (1, 5, 3, 64, 300), (3, 4, 2, 16, 40), (2, 9, 1, 8, 17)])
+# the last four run multi-threaded (above the kernel's kMinParallelFlops), the first of
+# them with each head's rows split into parts; H = 128 / 32 / 48 reach the other PV paths
+@pytest.mark.parametrize("B,T,G,H,S", [(1, 1, 3, 64, 300), (1, 5, 3, 64, 300), (3, 4, 2, 16, 40), (2, 9, 1, 8, 17),
+                                       (1, 3, 2, 128, 100), (1, 2, 2, 32, 50), (1, 3, 1, 48, 70),
+                                       (1, 8, 4, 64, 700), (2, 6, 3, 64, 600), (1, 9, 3, 128, 500),
+                                       (4, 2, 2, 64, 900)])
 def test_attention_kernel_matches_xla(B, T, G, H, S):
     rng = np.random.default_rng(B * 100 + T)
     L, Nkv = 2, 3
@@ -188,6 +193,23 @@ def test_attention_kernel_matches_xla(B, T, G, H, S):
     k2 = k_all.at[:, :, :, int(pos.max()) + 1:].set(1e4) if int(pos.max()) + 1 < S else k_all
     np.testing.assert_allclose(kernel_attention(q, k2, v_all, jnp.int32(1), pos, 0),
                                kernel_attention(q, k_all, v_all, jnp.int32(1), pos, 0), rtol=0, atol=0)
+
+
+def test_attention_kernel_rows_do_not_depend_on_the_other_rows():
+    """A multi-threaded call with each head's rows split into parts gives every row bitwise
+    the result of a one-row call at the same position."""
+    rng = np.random.default_rng(7)
+    L, B, T, Nkv, G, H, S = 2, 2, 8, 3, 4, 64, 700
+    q = jnp.asarray(rng.standard_normal((B, T, Nkv, G, H), dtype=np.float32))
+    k_all = jnp.asarray(rng.standard_normal((L, B, Nkv, S, H), dtype=np.float32))
+    v_all = jnp.asarray(rng.standard_normal((L, B, Nkv, S, H), dtype=np.float32))
+    pos = jnp.asarray(np.array([[600], [650]]) + np.arange(T)[None], jnp.int32)
+    f = jax.jit(kernel_attention, static_argnums=5)
+    full = np.asarray(f(q, k_all, v_all, jnp.int32(1), pos, 0))
+    for b in range(B):
+        for t in (0, 3, 7):
+            one = f(q[b:b + 1, t:t + 1], k_all[:, b:b + 1], v_all[:, b:b + 1], jnp.int32(1), pos[b:b + 1, t:t + 1], 0)
+            np.testing.assert_array_equal(np.asarray(one)[0, 0], full[b, t])
 
 
 def test_attention_kernel_gradient_is_xlas():

@@ -28,6 +28,13 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 
 // exp for a vector of floats: Cody-Waite range reduction + degree-6 polynomial (~2 ulp),
 // inputs <= 0 here (max-subtracted scores); underflows cleanly to 0 below -87.
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
 inline v16 vexp(v16 x) {
   const v16 lo = v16{} - 87.3f;
   x = x < lo ? lo : x;
@@ -48,16 +55,91 @@ inline v16 vexp(v16 x) {
   return x <= lo ? v16{} : y;
 }
 
+// In-place transpose of a 16 x 16 block held as 16 row vectors: four butterfly stages, each
+// swapping bit S of the row and column index where they differ (two-input shuffles).
+#define SJ_T1_LO 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define SJ_T1_HI 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define SJ_T2_LO 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define SJ_T2_HI 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define SJ_T4_LO 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define SJ_T4_HI 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define SJ_T8_LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define SJ_T8_HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define SJ_STAGE(S)                                         \
+  for (int r = 0; r < 16; ++r)                              \
+    if (!(r & S)) {                                         \
+      const v16 x = a[r], y = a[r + S];                     \
+      a[r] = __builtin_shufflevector(x, y, SJ_T##S##_LO);   \
+      a[r + S] = __builtin_shufflevector(x, y, SJ_T##S##_HI); \
+    }
+inline void Transpose16(v16* a) {
+  SJ_STAGE(1)
+  SJ_STAGE(2)
+  SJ_STAGE(4)
+  SJ_STAGE(8)
+}
+#undef SJ_STAGE
+
+constexpr int kRowBlock = 8;  // query rows per score block
+constexpr int64_t kPrefetchSlots = 48;  // K prefetch distance in slots
+constexpr double kMinParallelFlops = 2e6;  // attention below this runs on the calling thread
+
+template <int R>
+inline void ScoreRowsT(const float* const* qr, const float* kt, int64_t H, float scale, float* out,
+                       int64_t stride) {
+  v16 acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = v16{};
+  for (int64_t i = 0; i < H; ++i) {
+    v16 kv;
+    std::memcpy(&kv, kt + i * 16, sizeof(kv));
+    for (int j = 0; j < R; ++j) acc[j] += qr[j][i] * kv;
+  }
+  for (int j = 0; j < R; ++j) {
+    const v16 y = acc[j] * scale;
+    std::memcpy(out + j * stride, &y, sizeof(y));
+  }
+}
+
+// out[j * stride + 0:16] = (q_j . kt[:, 0:16]) * scale for j < nr
+inline void ScoreRows(int nr, const float* const* qr, const float* kt, int64_t H, float scale, float* out,
+                      int64_t stride) {
+  switch (nr) {
+    case 8: return ScoreRowsT<8>(qr, kt, H, scale, out, stride);
+    case 7: return ScoreRowsT<7>(qr, kt, H, scale, out, stride);
+    case 6: return ScoreRowsT<6>(qr, kt, H, scale, out, stride);
+    case 5: return ScoreRowsT<5>(qr, kt, H, scale, out, stride);
+    case 4: return ScoreRowsT<4>(qr, kt, H, scale, out, stride);
+    case 3: return ScoreRowsT<3>(qr, kt, H, scale, out, stride);
+    case 2: return ScoreRowsT<2>(qr, kt, H, scale, out, stride);
+    default: return ScoreRowsT<1>(qr, kt, H, scale, out, stride);
+  }
+}
+
+// orow[0:16 HV] = inv * sum_{s < vis} w[s] * v[s, 0:16 HV]  (H = 16 HV; accumulators in registers)
+template <int HV>
+inline void WeightedSum(const float* __restrict w, const float* __restrict v, int64_t vis, float inv,
+                        float* __restrict orow) {
+  v16 acc[HV];
+  for (int c = 0; c < HV; ++c) acc[c] = v16{};
+  for (int64_t s = 0; s < vis; ++s) {
+    const float ws = w[s];
+    const float* vs = v + s * 16 * HV;
+    for (int c = 0; c < HV; ++c) acc[c] += ws * load16(vs + 16 * c);
+  }
+  for (int c = 0; c < HV; ++c) store16(orow + 16 * c, acc[c] * inv);
+}
+
 struct Dims {
   int64_t B, T, Nkv, G, H, L, S;
 };
 
-// One (b, kv head): every query row (t, g) against slots 0..min(pos, S-1).
+// One (b, kv head), query rows [rb, re) of its T x G rows (row r = (t = r / G, g = r % G)):
+// each row against slots 0..min(pos, S-1).
 void Head(const Dims& d, const float* q, const float* k, const float* v, const int32_t* pos_b,
-          int64_t b, int64_t h, float* o, std::vector<float>& sc) {
-  const int64_t TG = d.T * d.G, H = d.H;
+          int64_t b, int64_t h, int64_t rb, int64_t re, float* o, std::vector<float>& sc) {
+  const int64_t TG = re - rb, H = d.H;
   int64_t last = 0;  // highest visible slot over the rows
-  for (int64_t t = 0; t < d.T; ++t) {
+  for (int64_t t = rb / d.G; t <= (re - 1) / d.G; ++t) {
     int64_t p = pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1;
     if (p > last) last = p;
   }
@@ -70,31 +152,60 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
   thread_local std::vector<float> kt_buf;
   kt_buf.resize(H * 16);
   float* kt = kt_buf.data();
+  // K and V of a layer usually come from DRAM (the weights stream evicts them): prefetch K
+  // kPrefetchSlots ahead of the score loop, and each block's V for the weighted sums below.
+  const int64_t lines = (H * 4 + 63) / 64;
+  for (int64_t s = 0; s < n && s < kPrefetchSlots; ++s)
+    for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(k + s * H + c * 16, 0, 3);
   for (int64_t s0 = 0; s0 < n; s0 += 16) {
     const int64_t nb = n - s0 < 16 ? n - s0 : 16;
-    for (int64_t j = 0; j < 16; ++j)
-      for (int64_t i = 0; i < H; ++i) kt[i * 16 + j] = j < nb ? k[(s0 + j) * H + i] : 0.f;
-    for (int64_t r = 0; r < TG; ++r) {
-      const int64_t t = r / d.G, g = r % d.G;
-      const float* qr = q + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
-      v16 acc = v16{};
-      for (int64_t i = 0; i < H; ++i) {
-        v16 kv;
-        std::memcpy(&kv, kt + i * 16, sizeof(kv));
-        acc += qr[i] * kv;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t sk = s0 + kPrefetchSlots + j;
+      if (sk < n)
+        for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(k + sk * H + c * 16, 0, 3);
+      for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(v + (s0 + j) * H + c * 16, 0, 2);
+    }
+    if (H % 16 == 0) {
+      for (int64_t c = 0; c < H; c += 16) {
+        v16 a[16];
+        if (nb == 16) {
+          for (int64_t j = 0; j < 16; ++j) a[j] = load16(k + (s0 + j) * H + c);
+        } else {
+          for (int64_t j = 0; j < 16; ++j) a[j] = j < nb ? load16(k + (s0 + j) * H + c) : v16{};
+        }
+        Transpose16(a);
+        for (int64_t i = 0; i < 16; ++i) store16(kt + (c + i) * 16, a[i]);
       }
-      acc *= scale;
-      std::memcpy(sc.data() + r * n16 + s0, &acc, sizeof(acc));
+    } else {
+      for (int64_t j = 0; j < 16; ++j)
+        for (int64_t i = 0; i < H; ++i) kt[i * 16 + j] = j < nb ? k[(s0 + j) * H + i] : 0.f;
+    }
+    // kRowBlock rows at a time, each with its own accumulator: one row's 16-slot sum is a
+    // chain of H dependent FMAs (latency-bound); interleaving rows makes it throughput-bound.
+    // Each row still sums over i in the same order, so results do not depend on the blocking.
+    for (int64_t r0 = 0; r0 < TG; r0 += kRowBlock) {
+      const int64_t nr = TG - r0 < kRowBlock ? TG - r0 : kRowBlock;
+      const float* qr[kRowBlock];
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t t = (rb + r0 + j) / d.G, g = (rb + r0 + j) % d.G;
+        qr[j] = q + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
+      }
+      ScoreRows(static_cast<int>(nr), qr, kt, H, scale, sc.data() + r0 * n16 + s0, n16);
     }
   }
   // per row: softmax over its visible slots, then the weighted sum of V
   for (int64_t r = 0; r < TG; ++r) {
-    const int64_t t = r / d.G, g = r % d.G;
+    const int64_t t = (rb + r) / d.G, g = (rb + r) % d.G;
     const int64_t vis = (pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1) + 1;  // slots 0..vis-1
     float* sr = sc.data() + r * n16;
-    float m = sr[0];
-    for (int64_t s = 1; s < vis; ++s) m = sr[s] > m ? sr[s] : m;
     for (int64_t s = vis; s < n16; ++s) sr[s] = -INFINITY;  // masked (and padding)
+    v16 mv = load16(sr);
+    for (int64_t s = 16; s < n16; s += 16) {
+      const v16 x = load16(sr + s);
+      mv = x > mv ? x : mv;
+    }
+    float m = mv[0];
+    for (int j = 1; j < 16; ++j) m = mv[j] > m ? mv[j] : m;
     v16 lsum = v16{};
     for (int64_t s = 0; s < n16; s += 16) {
       v16 x;
@@ -107,23 +218,14 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
     for (int j = 0; j < 16; ++j) l += lsum[j];
     float* orow = o + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
     const float inv = 1.0f / l;
-    if (H % 16 == 0 && H <= 256) {
-      v16 acc[16];
-      const int64_t hv = H / 16;
-      for (int64_t c = 0; c < hv; ++c) acc[c] = v16{};
-      for (int64_t s = 0; s < vis; ++s) {
-        const float w = sr[s];
-        const float* vs = v + s * H;
-        for (int64_t c = 0; c < hv; ++c) {
-          v16 x;
-          std::memcpy(&x, vs + 16 * c, sizeof(x));
-          acc[c] += w * x;
-        }
-      }
-      for (int64_t c = 0; c < hv; ++c) {
-        const v16 y = acc[c] * inv;
-        std::memcpy(orow + 16 * c, &y, sizeof(y));
-      }
+    if (H == 64) {
+      WeightedSum<4>(sr, v, vis, inv, orow);
+    } else if (H == 128) {
+      WeightedSum<8>(sr, v, vis, inv, orow);
+    } else if (H == 32) {
+      WeightedSum<2>(sr, v, vis, inv, orow);
+    } else if (H == 16) {
+      WeightedSum<1>(sr, v, vis, inv, orow);
     } else {
       for (int64_t i = 0; i < H; ++i) orow[i] = 0.f;
       for (int64_t s = 0; s < vis; ++s) {
@@ -144,15 +246,17 @@ struct Job {
   const int32_t* pos = nullptr;
   int64_t layer = 0;
   float* o = nullptr;
+  int64_t parts = 1;  // row parts per (b, kv head): tasks = B x Nkv x parts
   void Work() {
     thread_local std::vector<float> sc;
-    const int64_t tasks = d.B * d.Nkv;
+    const int64_t tasks = d.B * d.Nkv * parts, TG = d.T * d.G;
     for (;;) {
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= tasks) return;
-      const int64_t b = i / d.Nkv, h = i % d.Nkv;
+      const int64_t part = i % parts, bh = i / parts;
+      const int64_t b = bh / d.Nkv, h = bh % d.Nkv;
       const int64_t off = (((layer * d.B + b) * d.Nkv + h) * d.S) * d.H;
-      Head(d, q, k + off, v + off, pos + b * d.T, b, h, o, sc);
+      Head(d, q, k + off, v + off, pos + b * d.T, b, h, TG * part / parts, TG * (part + 1) / parts, o, sc);
       done.fetch_add(1, std::memory_order_acq_rel);
     }
   }
@@ -183,11 +287,19 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   job->v = v_all.typed_data();
   job->pos = pos;
   job->o = o->typed_data();
-  const int64_t tasks = job->d.B * job->d.Nkv;
-  // rough FLOPs; below ~20 MFLOP one thread beats waking the pool (measured: waking it for
-  // a 5-token step at 256 slots made the step times bimodal)
-  const double work = 4.0 * tasks * qd[1] * qd[3] * qd[4] * (maxpos + 1.0);
-  int64_t helpers = work > 2e7 ? pool.num_threads() : 0;
+  // Rough FLOPs. Small jobs run on the caller alone (waking the pool costs more than it
+  // saves); larger ones go to the caller plus threads - 1 helpers (as in small_matmul: more
+  // parties than cores made step times bimodal), with each (b, kv head)'s rows split into
+  // parts when there are fewer (b, kv head) pairs than ~2 per thread.
+  const int64_t pairs = job->d.B * job->d.Nkv, rows = qd[1] * qd[3];
+  const double work = 4.0 * pairs * rows * qd[4] * (maxpos + 1.0);
+  int64_t threads = pool.num_threads();
+  if (threads < 1 || work < kMinParallelFlops) threads = 1;
+  int64_t parts = 1;
+  while (threads > 1 && pairs * parts < 2 * threads && rows / (2 * parts) >= kRowBlock / 2) parts *= 2;
+  job->parts = parts;
+  const int64_t tasks = pairs * parts;
+  int64_t helpers = threads - 1;
   if (helpers > tasks - 1) helpers = tasks - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job]() { job->Work(); });
   job->Work();
