@@ -43,6 +43,9 @@ def main(argv=None):
     ap.add_argument("--cpu-kernels", default="auto", choices=["auto", "kernel", "xla"],
                     help="LlamaConfig.cpu_kernels: the FFI kernels (auto/kernel) or XLA ops")
     ap.add_argument("--stat", default="median", choices=["median", "min"])
+    ap.add_argument("--loop", type=int, default=0,
+                    help="also time each T as N back-to-back steps inside one jitted fori_loop (as in the "
+                         "engine's while_loop, no Python between steps); reports ms per step")
     args = ap.parse_args(argv)
 
     if args.random:
@@ -99,9 +102,20 @@ def main(argv=None):
     agg = statistics.median if args.stat == "median" else min
     times = {T: agg(v) * 1e3 for T, v in samples.items()}
     mins = {T: min(v) * 1e3 for T, v in samples.items()}
+    paired = paired_ratios(samples)
     for T in Ts:
         print(f"T={T}: {args.stat} {times[T]:7.2f} ms  x{times[T] / times[1]:.2f}   "
-              f"(min {mins[T]:6.2f} ms  x{mins[T] / mins[1]:.2f})", flush=True)
+              f"(min {mins[T]:6.2f} ms  x{mins[T] / mins[1]:.2f}; paired x{paired[T][1]:.2f} "
+              f"[{paired[T][0]:.2f}, {paired[T][2]:.2f}])", flush=True)
+
+    if args.loop:
+        loop_samples = time_in_loop(lm, params, cache, lengths, toks, Ts, args.loop, args.repeats, rng, opts)
+        loop_paired = paired_ratios(loop_samples)
+        print(f"in a fori_loop of {args.loop} steps ({args.stat} of {args.repeats} loops, ms per step):")
+        for T in Ts:
+            ms = agg(loop_samples[T]) * 1e3
+            print(f"T={T}: loop {args.stat} {ms:7.2f} ms  x{ms / (agg(loop_samples[1]) * 1e3):.2f}   "
+                  f"paired x{loop_paired[T][1]:.2f} [{loop_paired[T][0]:.2f}, {loop_paired[T][2]:.2f}]", flush=True)
 
     n = args.decode
 
@@ -127,6 +141,45 @@ def main(argv=None):
     print(f"| T | {args.stat} ms | x T=1 | min ms | x T=1 |\n|---|---|---|---|---|")
     for T, ms in times.items():
         print(f"| {T} | {ms:.2f} | {ms / times[1]:.2f} | {mins[T]:.2f} | {mins[T] / mins[1]:.2f} |")
+
+
+def paired_ratios(samples: dict) -> dict:
+    """Per round, T's time over T=1's time in the same round (the rounds interleave every T, so
+    slow and fast periods of a shared machine hit both alike); returns T -> (p25, median, p75)."""
+    out = {}
+    for T, v in samples.items():
+        r = np.asarray(v) / np.asarray(samples[1])
+        out[T] = tuple(float(x) for x in np.percentile(r, [25, 50, 75]))
+    return out
+
+
+def time_in_loop(lm, params, cache, lengths, toks, Ts, n, repeats, rng, opts):
+    """Seconds per step of ``n`` back-to-back T-token steps in one jitted ``fori_loop``, each step
+    rolled back to the same cache length (lengths reset, as after a full rejection); T -> samples."""
+    lengths = jnp.asarray(lengths)
+
+    def make(T):
+        @functools.partial(jax.jit, compiler_options=opts or None)
+        def run(p, c, tok):
+            def body(i, s):
+                c, acc = s
+                out = lm.apply(p, tok, c)
+                return out.cache.with_lengths(lengths), acc + out.logits[0, -1, 0]
+
+            return jax.lax.fori_loop(0, n, body, (c, jnp.zeros((), jnp.float32)))[1]
+        return run
+
+    fns = {T: make(T) for T in Ts}
+    for T in Ts:
+        jax.block_until_ready(fns[T](params, cache, toks[T]))
+    samples = {T: [] for T in Ts}
+    for _ in range(repeats):
+        for T in rng.permutation(Ts):
+            T = int(T)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[T](params, cache, toks[T]))
+            samples[T].append((time.perf_counter() - t0) / n)
+    return samples
 
 
 if __name__ == "__main__":

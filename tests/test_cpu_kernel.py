@@ -24,7 +24,7 @@ def _ref(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 9, 13, 16, 37, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 16, 37, 64])
 @pytest.mark.parametrize("k,n", [(1, 64), (7, 192), (70, 128), (576, 960), (300, 4160)])
 def test_matches_float64_reference(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)

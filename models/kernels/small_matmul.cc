@@ -11,7 +11,8 @@
 //     partial y, and the partials are summed at the end in a fixed order;
 //   * within a range, kTileRows rows at a time (kTileRows concurrent sequential streams)
 //     and kColBlock columns at a time (so the partial block stays in L1/L2), every 64-column
-//     unit keeps up to kMaxRows x 64 accumulators in vector registers, and the row tile
+//     unit keeps up to kMaxRows x 64 accumulators in vector registers (7..9 rows: 32-column
+//     units of up to 12 rows, one pass), and the row tile
 //     kPrefetchRows ahead is prefetched so memory traffic overlaps the FMAs.
 // The per-element accumulation order depends only on K and the thread count, never on M
 // or on the other rows, so a row's result does not depend on the batch it sits in.
@@ -32,8 +33,9 @@ namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
 
-constexpr int64_t kUnit = 64;          // columns per register block (4 x 16 floats)
-constexpr int kMaxRows = 6;            // x rows per register block
+constexpr int kMaxRows = 6;            // x rows per register block of 64-column units
+constexpr int kMaxRowsNarrow = 12;     // x rows per register block of 32-column units
+constexpr int64_t kNarrowUpTo = 9;     // 32-column units for kMaxRows < M <= kNarrowUpTo (measured)
 constexpr int64_t kTileRows = 8;       // weight rows per tile
 constexpr int64_t kColBlock = 4096;    // columns per partial block (measured: 2048 and 16384 slower)
 constexpr int64_t kPrefetchRows = 12;  // prefetch distance in weight rows (8-16 measured alike)
@@ -46,44 +48,58 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// p[t, 0:64] (+)= sum_{r < rows} xt[r * kMaxRows + t] * w[r * n + 0:64]
-template <int TM>
-inline void Micro(const float* __restrict xt, const float* __restrict w, int64_t rows, int64_t n,
+// p[t, 0:16 NV] (+)= sum_{r < rows} xt[r * xs + t] * w[r * n + 0:16 NV]   (t < TM)
+// NV = 4 (64-column units, up to 6 rows) or 2 (32-column units, up to 12 rows, so that 7..12
+// rows still read each weight row once: 24 accumulators + 2 weight vectors fit in the 32
+// vector registers).
+template <int TM, int NV>
+inline void Micro(const float* __restrict xt, int64_t xs, const float* __restrict w, int64_t rows, int64_t n,
                   float* __restrict p, bool first) {
-  v16 acc[TM][4];
+  v16 acc[TM][NV];
   for (int t = 0; t < TM; ++t)
-    for (int j = 0; j < 4; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
+    for (int j = 0; j < NV; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
   for (int64_t r = 0; r < rows; ++r) {
     const float* wr = w + r * n;
     // may point past the end: prefetch never faults. Into L2/L3 (locality 1), not L1: with
     // L1 prefetches a 5-row step ran ~20% slower (the FMAs and the stream then compete).
     const float* pf = wr + kPrefetchRows * n;
-    __builtin_prefetch(pf, 0, 1);
-    __builtin_prefetch(pf + 16, 0, 1);
-    __builtin_prefetch(pf + 32, 0, 1);
-    __builtin_prefetch(pf + 48, 0, 1);
-    const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(pf + 16 * j, 0, 1);
+    v16 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = load16(wr + 16 * j);
     for (int t = 0; t < TM; ++t) {
-      const v16 b = v16{} + xt[r * kMaxRows + t];
-      acc[t][0] += b * w0;
-      acc[t][1] += b * w1;
-      acc[t][2] += b * w2;
-      acc[t][3] += b * w3;
+      const float b = xt[r * xs + t];
+      for (int j = 0; j < NV; ++j) acc[t][j] += b * wv[j];
     }
   }
   for (int t = 0; t < TM; ++t)
-    for (int j = 0; j < 4; ++j) store16(p + t * n + 16 * j, acc[t][j]);
+    for (int j = 0; j < NV; ++j) store16(p + t * n + 16 * j, acc[t][j]);
 }
 
-inline void MicroAny(int tm, const float* xt, const float* w, int64_t rows, int64_t n, float* p,
-                     bool first) {
+inline void MicroAny(int tm, bool narrow, const float* xt, int64_t xs, const float* w, int64_t rows, int64_t n,
+                     float* p, bool first) {
+  if (narrow) {
+    switch (tm) {
+      case 12: return Micro<12, 2>(xt, xs, w, rows, n, p, first);
+      case 11: return Micro<11, 2>(xt, xs, w, rows, n, p, first);
+      case 10: return Micro<10, 2>(xt, xs, w, rows, n, p, first);
+      case 9: return Micro<9, 2>(xt, xs, w, rows, n, p, first);
+      case 8: return Micro<8, 2>(xt, xs, w, rows, n, p, first);
+      case 7: return Micro<7, 2>(xt, xs, w, rows, n, p, first);
+      case 6: return Micro<6, 2>(xt, xs, w, rows, n, p, first);
+      case 5: return Micro<5, 2>(xt, xs, w, rows, n, p, first);
+      case 4: return Micro<4, 2>(xt, xs, w, rows, n, p, first);
+      case 3: return Micro<3, 2>(xt, xs, w, rows, n, p, first);
+      case 2: return Micro<2, 2>(xt, xs, w, rows, n, p, first);
+      default: return Micro<1, 2>(xt, xs, w, rows, n, p, first);
+    }
+  }
   switch (tm) {
-    case 6: return Micro<6>(xt, w, rows, n, p, first);
-    case 5: return Micro<5>(xt, w, rows, n, p, first);
-    case 4: return Micro<4>(xt, w, rows, n, p, first);
-    case 3: return Micro<3>(xt, w, rows, n, p, first);
-    case 2: return Micro<2>(xt, w, rows, n, p, first);
-    default: return Micro<1>(xt, w, rows, n, p, first);
+    case 6: return Micro<6, 4>(xt, xs, w, rows, n, p, first);
+    case 5: return Micro<5, 4>(xt, xs, w, rows, n, p, first);
+    case 4: return Micro<4, 4>(xt, xs, w, rows, n, p, first);
+    case 3: return Micro<3, 4>(xt, xs, w, rows, n, p, first);
+    case 2: return Micro<2, 4>(xt, xs, w, rows, n, p, first);
+    default: return Micro<1, 4>(xt, xs, w, rows, n, p, first);
   }
 }
 
@@ -91,8 +107,10 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   const float* w = nullptr;
-  const float* xt = nullptr;  // [groups][K][kMaxRows], x transposed per group of rows
+  const float* xt = nullptr;  // [groups][K][gr], x transposed per group of gr rows
   int64_t m = 0, k = 0, n = 0, chunks = 0;
+  int64_t gr = kMaxRows;     // rows per register group: kMaxRows (64-column units) or kMaxRowsNarrow (32)
+  bool narrow = false;
   float* out[kMaxChunks] = {};  // per-chunk partial y [m, n]
 
   int64_t col_blocks = 1;        // tasks = chunks x col_blocks, claimed dynamically
@@ -103,15 +121,14 @@ struct Job {
     const int64_t k0 = k * c / chunks, k1 = k * (c + 1) / chunks;
     const int64_t c0 = j * kColBlock, c1 = c0 + kColBlock < n ? c0 + kColBlock : n;
     float* p = out[c];
-    const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+    const int64_t groups = (m + gr - 1) / gr, unit = narrow ? 32 : 64;
     for (int64_t r0 = k0; r0 < k1; r0 += kTileRows) {
       const int64_t rows = k1 - r0 < kTileRows ? k1 - r0 : kTileRows;
       const float* w_tile = w + r0 * n;
-      for (int64_t u = c0; u < c1; u += kUnit)
+      for (int64_t u = c0; u < c1; u += unit)
         for (int64_t g = 0; g < groups; ++g) {
-          const int tm = static_cast<int>(m - g * kMaxRows < kMaxRows ? m - g * kMaxRows : kMaxRows);
-          MicroAny(tm, xt + (g * k + r0) * kMaxRows, w_tile + u, rows, n, p + g * kMaxRows * n + u,
-                   r0 == k0);
+          const int tm = static_cast<int>(m - g * gr < gr ? m - g * gr : gr);
+          MicroAny(tm, narrow, xt + (g * k + r0) * gr, gr, w_tile + u, rows, n, p + g * gr * n + u, r0 == k0);
         }
     }
   }
@@ -131,19 +148,25 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kUnit != 0 || xd[0] < 1)
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % 64 != 0 || xd[0] < 1)
     return ffi::Error::InvalidArgument(
         "specjax small_matmul: expected x[M, K] and w[K, N] with N a multiple of 64");
   const int64_t m = xd[0], k = xd[1], n = wd[1];
-  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+  // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
+  // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
+  // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on the 12-row narrow block
+  // is compute-bound and slower (12 rows: 33 vs 30 ms), so groups of 6 again.
+  const bool narrow = m > kMaxRows && m <= kNarrowUpTo;
+  const int64_t gr = narrow ? kMaxRowsNarrow : kMaxRows;
+  const int64_t groups = (m + gr - 1) / gr;
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
   // a claimed task, and the caller waits for every task to finish.
   thread_local std::vector<float> xt_buf, partial_buf;
-  xt_buf.assign(groups * k * kMaxRows, 0.f);
+  xt_buf.assign(groups * k * gr, 0.f);
   const float* xp = x.typed_data();
   for (int64_t t = 0; t < m; ++t)
-    for (int64_t i = 0; i < k; ++i) xt_buf[((t / kMaxRows) * k + i) * kMaxRows + t % kMaxRows] = xp[t * k + i];
+    for (int64_t i = 0; i < k; ++i) xt_buf[((t / gr) * k + i) * gr + t % gr] = xp[t * k + i];
 
   int64_t threads = pool.num_threads();
   if (threads < 1) threads = 1;
@@ -163,6 +186,8 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   job->n = n;
   job->chunks = chunks;
   job->col_blocks = col_blocks;
+  job->gr = gr;
+  job->narrow = narrow;
   const int64_t stride = (m * n + 15) / 16 * 16;
   partial_buf.resize((chunks - 1) * stride + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_buf.data()) + 63) & ~uintptr_t{63});
