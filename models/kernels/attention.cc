@@ -7,8 +7,9 @@
 //   -> o [B, T, Nkv, G, H];  query (b, t, kv, g) sees slots s <= positions[b, t] (s < S).
 //
 // Same law as models/llama.py:cached_attention (softmax in float32, max-subtracted), in a
-// fixed order per query row that does not depend on the batch or on the other rows. Work
-// is split over (b, kv head) pairs between the caller and XLA's intra-op pool when large.
+// fixed order per query row that does not depend on the batch or on the other rows. Above
+// kMinParallelFlops the work is split over (b, kv head) pairs, and each pair's query rows
+// into parts when there are few pairs, between the caller and threads - 1 pool helpers.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
