@@ -52,6 +52,7 @@ KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
 ATTENTION_TARGET = "specjax_attention"
 SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f for f in ("small_matmul.cc", "attention.cc"))
+HEADERS = (Path(__file__).resolve().parent / "kernels" / "common.h",)  # part of the cache key
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -88,13 +89,13 @@ def build(force: bool = False) -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++) to build the CPU kernels")
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         if not src.exists():
             raise RuntimeError(f"kernel source missing: {src}")
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), repr(version).encode(), repr(CXX_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), repr(version).encode(), repr(CXX_FLAGS).encode(),
                  jax.__version__.encode(), importlib.metadata.version("jaxlib").encode(),
                  _cpu_flags().encode()):
         h.update(part)

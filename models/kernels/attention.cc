@@ -10,32 +10,26 @@
 // fixed order per query row that does not depend on the batch or on the other rows. Above
 // kMinParallelFlops the work is split over (b, kv head) pairs, and each pair's query rows
 // into parts when there are few pairs, between the caller and threads - 1 pool helpers.
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+using specjax_kernels::load16;
+using specjax_kernels::RunTasks;
+using specjax_kernels::store16;
+using specjax_kernels::v16;
+
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 // exp for a vector of floats: Cody-Waite range reduction + degree-6 polynomial (~2 ulp),
 // inputs <= 0 here (max-subtracted scores); underflows cleanly to 0 below -87.
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-
 inline v16 vexp(v16 x) {
   const v16 lo = v16{} - 87.3f;
   x = x < lo ? lo : x;
@@ -240,26 +234,21 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
 }
 
 struct Job {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
   Dims d{};
   const float *q = nullptr, *k = nullptr, *v = nullptr;
   const int32_t* pos = nullptr;
   int64_t layer = 0;
   float* o = nullptr;
   int64_t parts = 1;  // row parts per (b, kv head): tasks = B x Nkv x parts
-  void Work() {
+
+  // task i: part (i % parts) of the query rows of (b, kv head) = i / parts
+  void Task(int64_t i) const {
     thread_local std::vector<float> sc;
-    const int64_t tasks = d.B * d.Nkv * parts, TG = d.T * d.G;
-    for (;;) {
-      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= tasks) return;
-      const int64_t part = i % parts, bh = i / parts;
-      const int64_t b = bh / d.Nkv, h = bh % d.Nkv;
-      const int64_t off = (((layer * d.B + b) * d.Nkv + h) * d.S) * d.H;
-      Head(d, q, k + off, v + off, pos + b * d.T, b, h, TG * part / parts, TG * (part + 1) / parts, o, sc);
-      done.fetch_add(1, std::memory_order_acq_rel);
-    }
+    const int64_t TG = d.T * d.G;
+    const int64_t part = i % parts, bh = i / parts;
+    const int64_t b = bh / d.Nkv, h = bh % d.Nkv;
+    const int64_t off = (((layer * d.B + b) * d.Nkv + h) * d.S) * d.H;
+    Head(d, q, k + off, v + off, pos + b * d.T, b, h, TG * part / parts, TG * (part + 1) / parts, o, sc);
   }
 };
 
@@ -272,10 +261,10 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
             kd[2] == qd[2] && kd[4] == qd[4] && pd[0] == qd[0] && pd[1] == qd[1];
   for (int i = 0; ok && i < 5; ++i) ok = vd[i] == kd[i];
   if (!ok) return ffi::Error::InvalidArgument("specjax attention: inconsistent shapes");
-  auto job = std::make_shared<Job>();
-  job->d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[3]};
-  job->layer = layer.typed_data()[0];
-  if (job->layer < 0 || job->layer >= job->d.L)
+  Job job;
+  job.d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[3]};
+  job.layer = layer.typed_data()[0];
+  if (job.layer < 0 || job.layer >= job.d.L)
     return ffi::Error::InvalidArgument("specjax attention: layer index out of range");
   const int32_t* pos = positions.typed_data();
   int64_t maxpos = 0;
@@ -283,28 +272,23 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     if (pos[i] < 0) return ffi::Error::InvalidArgument("specjax attention: negative position");
     maxpos = pos[i] > maxpos ? pos[i] : maxpos;
   }
-  job->q = q.typed_data();
-  job->k = k_all.typed_data();
-  job->v = v_all.typed_data();
-  job->pos = pos;
-  job->o = o->typed_data();
+  job.q = q.typed_data();
+  job.k = k_all.typed_data();
+  job.v = v_all.typed_data();
+  job.pos = pos;
+  job.o = o->typed_data();
   // Rough FLOPs. Small jobs run on the caller alone (waking the pool costs more than it
   // saves); larger ones go to the caller plus threads - 1 helpers (as in small_matmul: more
   // parties than cores made step times bimodal), with each (b, kv head)'s rows split into
   // parts when there are fewer (b, kv head) pairs than ~2 per thread.
-  const int64_t pairs = job->d.B * job->d.Nkv, rows = qd[1] * qd[3];
+  const int64_t pairs = job.d.B * job.d.Nkv, rows = qd[1] * qd[3];
   const double work = 4.0 * pairs * rows * qd[4] * (maxpos + 1.0);
   int64_t threads = pool.num_threads();
   if (threads < 1 || work < kMinParallelFlops) threads = 1;
   int64_t parts = 1;
   while (threads > 1 && pairs * parts < 2 * threads && rows / (2 * parts) >= kRowBlock / 2) parts *= 2;
-  job->parts = parts;
-  const int64_t tasks = pairs * parts;
-  int64_t helpers = threads - 1;
-  if (helpers > tasks - 1) helpers = tasks - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job]() { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  job.parts = parts;
+  RunTasks(pool, pairs * parts, threads - 1, [&job](int64_t i) { job.Task(i); });
   return ffi::Error::Success();
 }
 

@@ -12,46 +12,37 @@
 //   * within a range, kTileRows rows at a time (kTileRows concurrent sequential streams)
 //     and kColBlock columns at a time (so the partial block stays in L1/L2), every 64-column
 //     unit keeps up to kMaxRows x 64 accumulators in vector registers (7..9 rows: 32-column
-//     units of up to 12 rows, one pass), and the row tile
+//     units, one pass), and the row tile
 //     kPrefetchRows ahead is prefetched so memory traffic overlaps the FMAs.
 // The per-element accumulation order depends only on K and the thread count, never on M
 // or on the other rows, so a row's result does not depend on the batch it sits in.
 // Vectors are GCC vector extensions (AVX-512 with -march=native where present, else what
 // the CPU has). Built on first use by models/cpu_kernels.py.
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+using specjax_kernels::load16;
+using specjax_kernels::RunTasks;
+using specjax_kernels::store16;
+using specjax_kernels::v16;
 
 constexpr int kMaxRows = 6;            // x rows per register block of 64-column units
-constexpr int kMaxRowsNarrow = 12;     // x rows per register block of 32-column units
-constexpr int64_t kNarrowUpTo = 9;     // 32-column units for kMaxRows < M <= kNarrowUpTo (measured)
+constexpr int kMaxRowsNarrow = 9;      // 32-column units for kMaxRows < M <= kMaxRowsNarrow (measured)
 constexpr int64_t kTileRows = 8;       // weight rows per tile
 constexpr int64_t kColBlock = 4096;    // columns per partial block (measured: 2048 and 16384 slower)
 constexpr int64_t kPrefetchRows = 12;  // prefetch distance in weight rows (8-16 measured alike)
 constexpr int64_t kMaxChunks = 8;
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-
 // p[t, 0:16 NV] (+)= sum_{r < rows} xt[r * xs + t] * w[r * n + 0:16 NV]   (t < TM)
-// NV = 4 (64-column units, up to 6 rows) or 2 (32-column units, up to 12 rows, so that 7..12
-// rows still read each weight row once: 24 accumulators + 2 weight vectors fit in the 32
-// vector registers).
+// NV = 4 (64-column units, up to 6 rows) or 2 (32-column units, up to 9 rows, so that 7..9
+// rows still read each weight row once; up to 12 rows x 2 accumulators + 2 weight vectors
+// would fit in the 32 vector registers, but 10-12 rows measured slower than 6-row groups).
 template <int TM, int NV>
 inline void Micro(const float* __restrict xt, int64_t xs, const float* __restrict w, int64_t rows, int64_t n,
                   float* __restrict p, bool first) {
@@ -75,42 +66,21 @@ inline void Micro(const float* __restrict xt, int64_t xs, const float* __restric
     for (int j = 0; j < NV; ++j) store16(p + t * n + 16 * j, acc[t][j]);
 }
 
-inline void MicroAny(int tm, bool narrow, const float* xt, int64_t xs, const float* w, int64_t rows, int64_t n,
-                     float* p, bool first) {
-  if (narrow) {
-    switch (tm) {
-      case 12: return Micro<12, 2>(xt, xs, w, rows, n, p, first);
-      case 11: return Micro<11, 2>(xt, xs, w, rows, n, p, first);
-      case 10: return Micro<10, 2>(xt, xs, w, rows, n, p, first);
-      case 9: return Micro<9, 2>(xt, xs, w, rows, n, p, first);
-      case 8: return Micro<8, 2>(xt, xs, w, rows, n, p, first);
-      case 7: return Micro<7, 2>(xt, xs, w, rows, n, p, first);
-      case 6: return Micro<6, 2>(xt, xs, w, rows, n, p, first);
-      case 5: return Micro<5, 2>(xt, xs, w, rows, n, p, first);
-      case 4: return Micro<4, 2>(xt, xs, w, rows, n, p, first);
-      case 3: return Micro<3, 2>(xt, xs, w, rows, n, p, first);
-      case 2: return Micro<2, 2>(xt, xs, w, rows, n, p, first);
-      default: return Micro<1, 2>(xt, xs, w, rows, n, p, first);
-    }
+// Micro<tm, NV> for a runtime tm in 1..TM
+template <int NV, int TM>
+inline void MicroUpTo(int tm, const float* xt, int64_t xs, const float* w, int64_t rows, int64_t n, float* p,
+                      bool first) {
+  if constexpr (TM > 1) {
+    if (tm < TM) return MicroUpTo<NV, TM - 1>(tm, xt, xs, w, rows, n, p, first);
   }
-  switch (tm) {
-    case 6: return Micro<6, 4>(xt, xs, w, rows, n, p, first);
-    case 5: return Micro<5, 4>(xt, xs, w, rows, n, p, first);
-    case 4: return Micro<4, 4>(xt, xs, w, rows, n, p, first);
-    case 3: return Micro<3, 4>(xt, xs, w, rows, n, p, first);
-    case 2: return Micro<2, 4>(xt, xs, w, rows, n, p, first);
-    default: return Micro<1, 4>(xt, xs, w, rows, n, p, first);
-  }
+  Micro<TM, NV>(xt, xs, w, rows, n, p, first);
 }
 
 struct Job {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
   const float* w = nullptr;
   const float* xt = nullptr;  // [groups][K][gr], x transposed per group of gr rows
   int64_t m = 0, k = 0, n = 0, chunks = 0;
   int64_t gr = kMaxRows;     // rows per register group: kMaxRows (64-column units) or kMaxRowsNarrow (32)
-  bool narrow = false;
   float* out[kMaxChunks] = {};  // per-chunk partial y [m, n]
 
   int64_t col_blocks = 1;        // tasks = chunks x col_blocks, claimed dynamically
@@ -121,6 +91,7 @@ struct Job {
     const int64_t k0 = k * c / chunks, k1 = k * (c + 1) / chunks;
     const int64_t c0 = j * kColBlock, c1 = c0 + kColBlock < n ? c0 + kColBlock : n;
     float* p = out[c];
+    const bool narrow = gr == kMaxRowsNarrow;
     const int64_t groups = (m + gr - 1) / gr, unit = narrow ? 32 : 64;
     for (int64_t r0 = k0; r0 < k1; r0 += kTileRows) {
       const int64_t rows = k1 - r0 < kTileRows ? k1 - r0 : kTileRows;
@@ -128,20 +99,16 @@ struct Job {
       for (int64_t u = c0; u < c1; u += unit)
         for (int64_t g = 0; g < groups; ++g) {
           const int tm = static_cast<int>(m - g * gr < gr ? m - g * gr : gr);
-          MicroAny(tm, narrow, xt + (g * k + r0) * gr, gr, w_tile + u, rows, n, p + g * gr * n + u, r0 == k0);
+          const float* xg = xt + (g * k + r0) * gr;
+          float* pg = p + g * gr * n + u;
+          if (narrow)
+            MicroUpTo<2, kMaxRowsNarrow>(tm, xg, gr, w_tile + u, rows, n, pg, r0 == k0);
+          else
+            MicroUpTo<4, kMaxRows>(tm, xg, gr, w_tile + u, rows, n, pg, r0 == k0);
         }
     }
   }
 
-  void Work() {
-    const int64_t tasks = chunks * col_blocks;
-    for (;;) {
-      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= tasks) return;
-      Task(t);
-      done.fetch_add(1, std::memory_order_acq_rel);
-    }
-  }
 };
 
 ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -154,10 +121,9 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t m = xd[0], k = xd[1], n = wd[1];
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
-  // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on the 12-row narrow block
+  // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on a 12-row narrow block
   // is compute-bound and slower (12 rows: 33 vs 30 ms), so groups of 6 again.
-  const bool narrow = m > kMaxRows && m <= kNarrowUpTo;
-  const int64_t gr = narrow ? kMaxRowsNarrow : kMaxRows;
+  const int64_t gr = m > kMaxRows && m <= kMaxRowsNarrow ? kMaxRowsNarrow : kMaxRows;
   const int64_t groups = (m + gr - 1) / gr;
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
@@ -178,31 +144,26 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (chunks > kMaxChunks) chunks = kMaxChunks;
   while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
 
-  auto job = std::make_shared<Job>();
-  job->w = w.typed_data();
-  job->xt = xt_buf.data();
-  job->m = m;
-  job->k = k;
-  job->n = n;
-  job->chunks = chunks;
-  job->col_blocks = col_blocks;
-  job->gr = gr;
-  job->narrow = narrow;
+  Job job;
+  job.w = w.typed_data();
+  job.xt = xt_buf.data();
+  job.m = m;
+  job.k = k;
+  job.n = n;
+  job.chunks = chunks;
+  job.col_blocks = col_blocks;
+  job.gr = gr;
   const int64_t stride = (m * n + 15) / 16 * 16;
   partial_buf.resize((chunks - 1) * stride + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_buf.data()) + 63) & ~uintptr_t{63});
-  job->out[0] = y->typed_data();  // chunk 0 writes y directly; the others add into it below
-  for (int64_t c = 1; c < chunks; ++c) job->out[c] = base + (c - 1) * stride;
+  job.out[0] = y->typed_data();  // chunk 0 writes y directly; the others add into it below
+  for (int64_t c = 1; c < chunks; ++c) job.out[c] = base + (c - 1) * stride;
 
-  const int64_t tasks = chunks * col_blocks;
-  const int64_t helpers = threads - 1 < tasks - 1 ? threads - 1 : tasks - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job]() { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  RunTasks(pool, chunks * col_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
 
   float* yp = y->typed_data();
   for (int64_t c = 1; c < chunks; ++c) {
-    const float* pc = job->out[c];
+    const float* pc = job.out[c];
     for (int64_t i = 0; i < m * n; ++i) yp[i] += pc[i];
   }
   return ffi::Error::Success();
