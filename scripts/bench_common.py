@@ -242,7 +242,7 @@ def resolve_draft(spec: str, target):
         d = load_draft_model(str(p), target)
         if isinstance(d, EagleModel):
             return d, {"kind": "eagle", "spec": spec, "path": str(p.resolve()),
-                       "n_layers": d.config.n_layers, "vocab_subset": int(getattr(d.config, "vocab_subset", 0) or 0)}
+                       "n_layers": d.config.n_layers, "vocab_subset": d.config.vocab_subset}
     elif p.suffix == ".gguf":
         from models.gguf_loader import load_gguf
 
