@@ -1,7 +1,8 @@
 """Train a draft for a target: ``python scripts/train_draft.py configs/train/eagle_smollm2.yaml``.
 
 See :mod:`specjax.training` for the data, losses, checkpoints and metrics. Options:
-``--steps N`` / ``--out-dir DIR`` override the config; ``--stop-after N`` ends after N steps
+``--steps N`` / ``--out-dir DIR`` override the config; ``--time-budget S`` sets the step
+count to what fits in S seconds (measured on this run's own steps; rerun with ``--steps N``); ``--stop-after N`` ends after N steps
 without a final checkpoint (what a kill looks like; rerun to resume); ``--data-only``
 generates (or finds) the cached data and stops.
 """
@@ -23,6 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-after", type=int)
     ap.add_argument("--data-only", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="set the step count to what fits in SECONDS (data included), from timed steps; "
+                         "the log and summary give the count, and --steps N repeats the run")
     a = ap.parse_args(argv)
     try:
         cfg = T.load_config(a.config)
@@ -44,7 +48,10 @@ def main(argv=None) -> int:
         for split in ("train", "heldout"):
             T.build_data(cfg, split, target, tok)
         return 0
-    res = T.train(cfg, stop_after=a.stop_after)
+    if a.time_budget is not None and a.time_budget <= 0:
+        print("error: --time-budget must be > 0 seconds", file=sys.stderr)
+        return 2
+    res = T.train(cfg, stop_after=a.stop_after, time_budget=a.time_budget)
     res.pop("params", None)
     print(json.dumps(res))
     return 0

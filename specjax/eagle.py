@@ -110,12 +110,25 @@ class EagleProposer(ModelBackedProposer):
 # draft files
 
 
-def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional[dict] = None) -> None:
-    """Write a draft file (npz): ``meta`` JSON plus float32/int arrays."""
+def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional[dict] = None,
+               dtype: str = "float32") -> None:
+    """Write a draft file (npz): ``meta`` JSON plus int arrays and float weights stored as
+    ``dtype`` (float32, or float16 for half the size; :func:`read_draft` returns float32)."""
     if kind not in ("eagle", "llama"):
         raise ValueError(f"unknown draft kind {kind!r}")
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"draft files store float32 or float16 weights, not {dtype!r}")
     meta = dict(kind=kind, config=config, info=info or {}, format=1)
-    arrays = {k: np.asarray(v) for k, v in weights.items() if v is not None}
+    arrays = {}
+    for k, v in weights.items():
+        if v is None:
+            continue
+        a = np.asarray(v)
+        if np.issubdtype(a.dtype, np.floating):
+            if dtype == "float16" and np.isfinite(a).all() and np.abs(a).max(initial=0.0) >= 65504:
+                raise ValueError(f"draft weight {k!r} does not fit float16 (max |x| = {np.abs(a).max()})")
+            a = a.astype(dtype)
+        arrays[k] = a
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     tmp = path + ".tmp.npz"
     np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
@@ -127,6 +140,7 @@ def read_draft(path: str):
     with np.load(path) as f:
         meta = json.loads(bytes(f["meta"]).decode())
         weights = {k: f[k] for k in f.files if k != "meta"}
+    weights = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
     return meta, weights
 
 

@@ -95,10 +95,21 @@ class TargetSpec:
     kind: str = "default"  # default (SmolLM2-135M-Instruct GGUF) | tiny (random tiny Llama)
     config: Optional[dict] = None  # tiny: models.llama.tiny_config arguments
     seed: int = 0  # tiny: init seed
+    # default: LlamaConfig overrides for the run (e.g. {scan_layers: true}: one compiled layer
+    # body, which compiles far faster on an accelerator; same weights, same law)
+    overrides: Optional[dict] = None
 
     def __post_init__(self):
         _check(self.kind in ("default", "tiny"), f"target.kind must be 'default' or 'tiny', got {self.kind!r}")
         _int(self.seed, "target.seed", 0)
+        _check(self.overrides is None or isinstance(self.overrides, dict), "target.overrides must be a mapping")
+        if self.overrides:
+            from models.llama import LlamaConfig
+
+            names = {f.name for f in dataclasses.fields(LlamaConfig)}
+            bad = sorted(set(self.overrides) - (names - {"vocab_size", "dim", "n_layers", "n_heads",
+                                                         "n_kv_heads", "head_dim", "ffn_dim"}))
+            _check(not bad, f"target.overrides: not a run setting of LlamaConfig: {bad}")
         if self.kind == "tiny":
             _check(isinstance(self.config, dict), "target.config (a dict) is needed for a tiny target")
 
@@ -170,6 +181,7 @@ class TrainConfig:
     prompt_positions: bool = False  # also train on prompt positions (never evaluated)
     out_dir: str = "runs/draft"
     progress: bool = True
+    export_dtype: str = "float32"  # float32 | float16: the exported draft file's weights
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "unroll", "eval_every", "eval_positions", "eval_batch",
@@ -181,6 +193,8 @@ class TrainConfig:
         _num(self.end_lr_ratio, "train.end_lr_ratio", 0.0, 1.0)
         _num(self.weight_decay, "train.weight_decay", 0.0)
         _num(self.clip, "train.clip", 0.0, lo_open=True)
+        _check(self.export_dtype in ("float32", "float16"),
+               f"train.export_dtype must be float32 or float16, got {self.export_dtype!r}")
         losses = dict(self.losses or {"fkl": 1.0})
         bad = sorted(set(losses) - set(LOSSES))
         _check(not bad, f"train.losses: unknown losses {bad} (known: {list(LOSSES)})")
@@ -275,7 +289,7 @@ def load_target(spec: TargetSpec):
         return LlamaLM.init(tiny_config(**spec.config), seed=spec.seed), None
     import models
 
-    lm, _ = models.load_default_target()
+    lm, _ = models.load_default_target(**(spec.overrides or {}))
     return lm, models.load_default_tokenizer()
 
 
@@ -306,7 +320,10 @@ def _data_key(cfg: RunConfig, split: str) -> str:
         with open(_path(d[f]), "rb") as fh:
             d[f + "_sha"] = hashlib.sha256(fh.read()).hexdigest()
         d.pop(f)
-    blob = json.dumps(dict(target=dataclasses.asdict(cfg.target), data=d, seed=cfg.seed, split=split,
+    tgt = dataclasses.asdict(cfg.target)
+    if not tgt["overrides"]:
+        tgt.pop("overrides")  # keys of configs written before the field existed stay valid
+    blob = json.dumps(dict(target=tgt, data=d, seed=cfg.seed, split=split,
                            version=1), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -359,7 +376,7 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
             f"{sum(len(x) - p for x, p in zip(seqs, plens))} new tokens, {time.time() - t0:.0f}s")
     n = len(seqs)
     lengths = np.array([len(x) for x in seqs], np.int32)
-    T = engine.bucket(int(lengths.max()), 16)
+    T = int(math.ceil(lengths.max() / 64) * 64)  # batches are cropped to multiples of 64 anyway
     toks = np.zeros((n, T), np.int32)
     for i, x in enumerate(seqs):
         toks[i, :len(x)] = x
@@ -480,11 +497,12 @@ def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
     from specjax.eagle import save_draft
 
     m = draft.module()
+    dt = cfg.train.export_dtype
     if draft.kind == "eagle":
         w = dict(m.trainable_weights())
         if draft.token_map is not None:
             w["token_map"] = draft.token_map
-        save_draft(path, "eagle", draft.config.to_dict(), w, info)
+        save_draft(path, "eagle", draft.config.to_dict(), w, info, dtype=dt)
         return
     w = m.canonical_weights()
     info = dict(info)
@@ -493,7 +511,7 @@ def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
         w.pop("lm_head", None)
         info["embed_from_target"] = True
     c = dataclasses.asdict(draft.config)
-    save_draft(path, "llama", c, w, info)
+    save_draft(path, "llama", c, w, info, dtype=dt)
 
 
 def _forward(draft: Draft, trainable, tokens, hidden, n_steps):
@@ -699,9 +717,61 @@ def batch_indices(seed: int, step: int, batch_size: int, n: int) -> np.ndarray:
     return np.array(out)
 
 
-def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, tokenizer=None) -> dict:
+def _export_at(cfg: RunConfig, draft: Draft, trainable, out_dir, ntrain, heldout, step):
+    info = dict(steps=step, of_steps=cfg.train.steps, complete=step == cfg.train.steps, train_tokens=ntrain,
+                heldout=heldout, seed=cfg.seed, kind=cfg.draft.kind)
+    export_draft(cfg, dataclasses.replace(draft, trainable=trainable), os.path.join(out_dir, "draft.npz"), info)
+
+
+def _batch(train_data, keys, idx):
+    # crop the padding to a multiple of 64 (a few shapes only): same result, less work
+    tlen = min(train_data["tokens"].shape[1], int(math.ceil(train_data["lengths"][idx].max() / 64) * 64))
+    return {k: jnp.asarray(train_data[k][idx] if k in ("lengths", "prompt_lens") else train_data[k][idx, :tlen])
+            for k in keys}
+
+
+def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, keys, deadline: float, log,
+              probe: int = 12, reserve_s: float = 30.0) -> int:
+    """The number of steps that ends the run before ``deadline`` (a ``time.time()``), from
+    timed steps of this very run (on a copy of the state: the run itself is unchanged and
+    equals a run with ``--steps N``). At most ``train.steps``; a multiple of 100 (10 below
+    1000); an error when not even ``warmup + 10`` steps fit."""
+    tc = cfg.train
+    step_fn, opt = make_train_step(draft, tc, vocab_size)
+    state = (jax.tree.map(jnp.copy, draft.trainable), opt.init(draft.trainable))
+    n = train_data["tokens"].shape[0]
+    times = []
+    for i in range(probe):
+        b = _batch(train_data, keys, batch_indices(cfg.seed, i, tc.batch_size, n))
+        t0 = time.time()
+        state, met = step_fn(state, b)
+        jax.block_until_ready(met)
+        times.append(time.time() - t0)
+    compile_s = times[0]
+    step_s = float(np.median(times[2:])) * 1.15  # host work per step and drift
+    ev = make_eval(draft, tc.eval_positions)
+    t0 = time.time()
+    evaluate(ev, state[0], held, tc.eval_batch)
+    eval_s = time.time() - t0  # includes its compile: an upper bound per evaluation
+    left = deadline - time.time() - compile_s - reserve_s  # reserve: final checkpoint + export
+    per = step_s + eval_s / tc.eval_every
+    steps = int((left - eval_s) / per) if left > 0 else 0
+    steps = min(tc.steps, steps // (100 if steps >= 1000 else 10) * (100 if steps >= 1000 else 10))
+    log(f"[budget] step {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s), eval {eval_s:.1f} s, "
+        f"{max(left, 0):.0f} s left -> steps={steps} (reproduce with --steps {steps})")
+    if steps < tc.warmup + 10:
+        raise RuntimeError(f"the time budget fits only {steps} steps (warmup is {tc.warmup})")
+    return steps
+
+
+def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, tokenizer=None,
+          time_budget: Optional[float] = None, reserve_s: float = 30.0) -> dict:
     """Run (or resume) a training run. ``stop_after`` ends the process-equivalent of a kill
-    after that many steps (no final checkpoint). Returns a summary dict."""
+    after that many steps (no final checkpoint). ``time_budget`` (seconds from the call)
+    sets ``train.steps`` to what fits (:func:`fit_steps`; reported, so the run can be
+    repeated with that fixed step count), keeping ``reserve_s`` for the final checkpoint and
+    export. Returns a summary dict."""
+    t_call = time.time()
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
     tc = cfg.train
@@ -716,6 +786,13 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     held = build_data(cfg, "heldout", target, tokenizer, log)
     draft = build_draft(cfg, target, train_data)
     v = target.config.vocab_size
+    keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + (["hidden"] if draft.kind == "eagle" else [])
+    if time_budget is not None:
+        steps = fit_steps(cfg, draft, v, train_data, held, keys, t_call + time_budget, log, reserve_s=reserve_s)
+        tc = dataclasses.replace(tc, steps=steps)
+        cfg = dataclasses.replace(cfg, train=tc)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
     step_fn, opt = make_train_step(draft, tc, v)
     _, sched = make_optimizer(tc)
     ev = make_eval(draft, tc.eval_positions)
@@ -733,7 +810,6 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     if start:
         log(f"[train] resumed from step {start}")
     n = train_data["tokens"].shape[0]
-    keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + (["hidden"] if draft.kind == "eagle" else [])
     ntrain = int(train_data["lengths"].sum())
     try:
         from tqdm import tqdm
@@ -760,10 +836,7 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
                     bar.close()
                 return dict(stopped=step)
             idx = batch_indices(cfg.seed, step, tc.batch_size, n)
-            # crop the padding to a multiple of 64 (a few shapes only): same result, less work
-            tlen = min(train_data["tokens"].shape[1], int(math.ceil(train_data["lengths"][idx].max() / 64) * 64))
-            batch = {k: jnp.asarray(train_data[k][idx] if k in ("lengths", "prompt_lens") else train_data[k][idx, :tlen])
-                     for k in keys}
+            batch = _batch(train_data, keys, idx)
             t0 = time.time()
             state, met = step_fn(state, batch)
             met = {k: float(x) for k, x in jax.device_get(met).items()}
@@ -786,13 +859,14 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
                 last_eval = evaluate(ev, state[0], held, tc.eval_batch)
                 emit(dict(step=s1, eval=last_eval))
                 log(f"[eval] step {s1}: {last_eval}")
+                if s1 < tc.steps:  # a usable draft file at every evaluation, marked partial
+                    _export_at(cfg, draft, state[0], out_dir, ntrain, last_eval, s1)
             if s1 % tc.ckpt_every == 0 or s1 == tc.steps:
                 _save(mngr, s1, state)
     if bar:
         bar.close()
     draft.trainable = state[0]
-    info = dict(steps=tc.steps, train_tokens=ntrain, heldout=last_eval, seed=cfg.seed, kind=cfg.draft.kind)
-    export_draft(cfg, draft, os.path.join(out_dir, "draft.npz"), info)
+    _export_at(cfg, draft, state[0], out_dir, ntrain, last_eval, tc.steps)
     summary = dict(steps=tc.steps, eval=last_eval, train_tokens=ntrain, train_seconds=round(t_train, 1),
                    data_cached=dict(train=bool(train_data["cached"]), heldout=bool(held["cached"])),
                    out_dir=out_dir)

@@ -68,6 +68,9 @@ def test_bad_configs_fail_before_work(prompt_files, tmp_path):
         (dict(base, train=dict(base["train"], stepz=3)), "unknown keys"),
         (dict(base, draft=dict(kind="independent", config=TINY), train=dict(base["train"], losses={"fkl": 1, "hidden": 1})),
          "hidden-state loss"),
+        (dict(base, target=dict(base["target"], overrides={"dim": 64})), "target.overrides"),
+        (dict(base, target=dict(base["target"], overrides=[1])), "target.overrides"),
+        (dict(base, train=dict(base["train"], export_dtype="bfloat16")), "export_dtype"),
     ]
     for d, msg in bad:
         with pytest.raises(T.ConfigError, match=msg):
@@ -121,3 +124,42 @@ def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files
     # frozen embedding: the exported file holds no embedding and loads from the target
     prop = load_draft(str(tmp_path / "killed" / "draft.npz"), target, k=2)
     np.testing.assert_array_equal(prop.model.canonical_weights()["embed"], target.canonical_weights()["embed"])
+
+
+def test_time_budget_picks_steps_and_equals_a_fixed_step_run(prompt_files, tmp_path, target):
+    """--time-budget times the run's own steps on a COPY of the state: the budgeted run ends
+    with the same parameters as a run told that step count, which is how it is repeated."""
+    draft = dict(kind="target_init", n_layers=1, freeze_embed=True)
+    kw = dict(steps=100000, ckpt_every=100000, eval_every=100000, warmup=2)
+    cfg = _cfg(prompt_files, tmp_path / "budget", draft, **kw)
+    for split in ("train", "heldout"):
+        T.build_data(T.load_config(cfg), split, target, None, log=lambda s: None)
+    logs = []
+    res = T.train(cfg, target=target, time_budget=4.0, reserve_s=0.0, log=logs.append)
+    n = res["steps"]
+    assert 10 <= n < 100000 and n % 10 == 0, n
+    assert any(f"--steps {n}" in ln for ln in logs)
+    with open(tmp_path / "budget" / "config.json") as f:
+        assert json.load(f)["train"]["steps"] == n
+    fixed = T.train(_cfg(prompt_files, tmp_path / "fixed", draft, **dict(kw, steps=n)), target=target)
+    for a, b in zip(jax.tree.leaves(res["params"]), jax.tree.leaves(fixed["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(RuntimeError, match="time budget"):
+        T.train(_cfg(prompt_files, tmp_path / "tiny", draft, **kw), target=target, time_budget=0.01)
+
+
+def test_float16_draft_files(tmp_path, target):
+    from specjax.eagle import read_draft, save_draft
+
+    w = {"a": np.linspace(-3, 3, 50, dtype=np.float32).reshape(5, 10), "token_map": np.arange(7, dtype=np.int32)}
+    save_draft(str(tmp_path / "h.npz"), "eagle", {}, w, dtype="float16")
+    save_draft(str(tmp_path / "f.npz"), "eagle", {}, w)
+    _, h = read_draft(str(tmp_path / "h.npz"))
+    _, f = read_draft(str(tmp_path / "f.npz"))
+    assert h["a"].dtype == np.float32 and h["token_map"].dtype == np.int32
+    np.testing.assert_array_equal(f["a"], w["a"])
+    np.testing.assert_allclose(h["a"], w["a"], rtol=1e-3)
+    assert not np.array_equal(h["a"], w["a"])  # really rounded to float16
+    np.testing.assert_array_equal(h["token_map"], w["token_map"])
+    with pytest.raises(ValueError, match="float16"):
+        save_draft(str(tmp_path / "x.npz"), "eagle", {}, {"a": np.array([1e6], np.float32)}, dtype="float16")
