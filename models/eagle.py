@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from models.base import KVCache
-from models.llama import LlamaConfig, RopeScaling, apply_rope, rms_norm, rope_tables
+from models.llama import LlamaConfig, RopeScaling, _linear, apply_rope, rms_norm, rope_tables
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
 # the same names as models.llama's canonical weights
@@ -90,18 +90,19 @@ class Layer(nnx.Module):
         dt = cfg.compute_dtype
         B, T, D = x.shape
         N, Nkv, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        ck = cfg.cpu_kernels  # small float32 matmuls (the proposer's M <= 16) use the CPU kernel
         h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-        q = apply_rope((h @ self.wq[...].astype(dt)).reshape(B, T, N, H), cos, sin)
-        k = apply_rope((h @ self.wk[...].astype(dt)).reshape(B, T, Nkv, H), cos, sin)
-        v = (h @ self.wv[...].astype(dt)).reshape(B, T, Nkv, H)
+        q = apply_rope(_linear(h, self.wq[...].astype(dt), ck).reshape(B, T, N, H), cos, sin)
+        k = apply_rope(_linear(h, self.wk[...].astype(dt), ck).reshape(B, T, Nkv, H), cos, sin)
+        v = _linear(h, self.wv[...].astype(dt), ck).reshape(B, T, Nkv, H)
         b_idx, h_idx = jnp.arange(B)[:, None, None], jnp.arange(Nkv)[None, None, :]
         k_all = k_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(k.astype(k_all.dtype), mode="drop")
         v_all = v_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(v.astype(v_all.dtype), mode="drop")
         o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
-        x = x + o.reshape(B, T, N * H) @ self.wo[...].astype(dt)
+        x = x + _linear(o.reshape(B, T, N * H), self.wo[...].astype(dt), ck)
         h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-        a = jax.nn.silu(h @ self.w_gate[...].astype(dt)) * (h @ self.w_up[...].astype(dt))
-        return x + a @ self.w_down[...].astype(dt), k_all, v_all
+        a = jax.nn.silu(_linear(h, self.w_gate[...].astype(dt), ck)) * _linear(h, self.w_up[...].astype(dt), ck)
+        return x + _linear(a, self.w_down[...].astype(dt), ck), k_all, v_all
 
 
 class Frozen(nnx.Variable):
@@ -229,6 +230,10 @@ class EagleHead(nnx.Module):
             if tm.min() < 0 or tm.max() >= V or np.unique(tm).size != tm.size:
                 raise ValueError("token_map must hold distinct token ids in [0, V)")
             self.token_map = Frozen(jnp.asarray(tm, jnp.int32))
+            # the scored rows of the head, gathered once and stored [D, Vs] (a plain x @ W):
+            # gathering them per call cost more than the product itself
+            hm = _np(embed if head is None else head)
+            self.head_sub = Frozen(jnp.asarray(np.ascontiguousarray(hm[tm].T), pd))
         self.fc = _param(jnp.asarray(trainable["fc"], pd), (None, "embed"))
         self.out_norm = _param(jnp.asarray(trainable["out_norm"], pd), ("embed",))
         for k in LAYER_KEYS:
@@ -239,17 +244,15 @@ class EagleHead(nnx.Module):
                                 for i in range(cfg.n_layers)])
 
     # ------------------------------------------------------------------ pieces
-    def head_matrix(self):
-        """[Vs, D]: the rows of the target head this draft scores."""
-        h = self.embed[...] if self.tied else self.head[...]
-        if self.cfg.vocab_subset:
-            h = jnp.take(h, self.token_map[...], axis=0)
-        return h
-
     def logits(self, h):
         """[..., D] -> [..., Vs] float32 logits over the scored tokens."""
-        return jnp.einsum("...d,vd->...v", h, self.head_matrix().astype(h.dtype),
-                          preferred_element_type=jnp.float32)
+        if self.cfg.vocab_subset:
+            w = self.head_sub[...].astype(h.dtype)
+            lead = h.shape[:-1]
+            out = _linear(h.reshape(1, -1, h.shape[-1]), w, self.cfg.layer_config().cpu_kernels)
+            return out.reshape(lead + (w.shape[1],)).astype(jnp.float32)
+        full = self.embed[...] if self.tied else self.head[...]
+        return jnp.einsum("...d,vd->...v", h, full.astype(h.dtype), preferred_element_type=jnp.float32)
 
     def full_logits(self, h):
         """[..., D] -> [..., V] float32 logits, -inf outside the token subset."""
@@ -263,9 +266,7 @@ class EagleHead(nnx.Module):
         dt = self.cfg.layer_config().compute_dtype
         e = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = jnp.concatenate([hidden.astype(dt), e], axis=-1)
-        B, T, _ = x.shape
-        return jax.lax.dot_general(x.reshape(B * T, -1), self.fc[...].astype(dt),
-                                   (((1,), (0,)), ((), ()))).reshape(B, T, -1)
+        return _linear(x, self.fc[...].astype(dt), self.cfg.layer_config().cpu_kernels)
 
     def _layers(self, x, k_all, v_all, slots, cos, sin, mask):
         for i, blk in enumerate(self.layers):

@@ -75,10 +75,16 @@ class EagleProposer(ModelBackedProposer):
         draft_keys = jax.vmap(lambda k: K_.role_key(k, K_.DRAFT))(ctx.round_keys)
         v = self.vocab_size
 
+        tm = m.token_map[...] if self.model.config.vocab_subset else None
+
         def draw(h, counts, i):
             ks = jax.vmap(lambda k: K_.position_key(k, i))(draft_keys)
             lp = process_rows(m.full_logits(h), ctx.params, counts, ctx.use_penalties)
-            return sample_rows(ks, lp), lp
+            if tm is None:
+                return sample_rows(ks, lp), lp
+            # q is 0 outside the scored tokens (the pipeline keeps -inf at -inf), so drawing
+            # among them alone is the same law at a sixth of the noise to generate
+            return tm[sample_rows(ks, jnp.take(lp, tm, axis=-1))], lp
 
         def step(carry, i):
             cache, h, counts = carry

@@ -99,3 +99,11 @@ def test_draft_file_roundtrip(tmp_path):
     other = LlamaLM.init(tiny_config(vocab_size=65, n_layers=2, dim=32), seed=5)
     with pytest.raises(ValueError, match="does not fit"):
         load_draft(path, other)
+
+
+def test_default_draft_is_lookup_for_other_targets():
+    from specjax.drafts import default_draft_for, shipped_draft_path
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    assert shipped_draft_path(tgt) is None
+    assert default_draft_for(tgt) == "lookup"
