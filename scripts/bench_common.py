@@ -223,6 +223,12 @@ def resolve_draft(spec: str, target):
         d = default_draft_for(target)
         if isinstance(d, str):
             return resolve_draft(d if d != "ngram" else "lookup", target)[0], {"kind": "lookup", "spec": "default"}
+        from models.eagle import EagleModel
+        from specjax.drafts import shipped_draft_path
+
+        if isinstance(d, EagleModel):
+            return d, {"kind": "eagle", "spec": "default", "path": shipped_draft_path(target),
+                       "n_layers": d.config.n_layers, "vocab_subset": d.config.vocab_subset}
         return d, {"kind": "model", "spec": "default", "name": getattr(getattr(d, "config", None), "name", "?")}
     if spec in ("lookup", "ngram", "prompt-lookup"):
         return "lookup", {"kind": "lookup", "spec": "lookup"}

