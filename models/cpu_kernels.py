@@ -50,6 +50,7 @@ MAX_ROWS = 16  # the kernel serves x[M, K] with M <= MAX_ROWS (crossover with XL
 COL_MULTIPLE = 64
 KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
+TARGET_F16 = "specjax_small_matmul_f16"  # float16 weights (float32 x and y)
 ATTENTION_TARGET = "specjax_attention"
 SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f for f in ("small_matmul.cc", "attention.cc"))
 HEADERS = (Path(__file__).resolve().parent / "kernels" / "common.h",)  # part of the cache key
@@ -70,6 +71,12 @@ def _cpu_flags() -> str:
     import platform
 
     return platform.machine() + platform.processor()
+
+
+def _has_f16c() -> bool:
+    """The float16-weight matmul needs the F16C (or AVX-512) conversion instruction."""
+    flags = _cpu_flags().split()
+    return "f16c" in flags or "avx512f" in flags
 
 
 def _compiler() -> str | None:
@@ -123,6 +130,7 @@ def _ensure() -> tuple[bool, str]:
             path = build()
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
+            jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
             jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
             _state.update(ok=True, reason="", path=str(path), lib=lib)
         except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
@@ -143,13 +151,16 @@ def _require():
 
 def _raw(x: jax.Array, w: jax.Array) -> jax.Array:
     _require()
-    return jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
+    target = TARGET_F16 if w.dtype == jnp.float16 else TARGET_NAME
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
                             vmap_method="sequential")(x, w)
 
 
 @jax.custom_jvp
 def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x[M, K] @ w[K, N]`` in float32 with the FFI kernel (built and registered on first use)."""
+    """``x[M, K] @ w[K, N]`` in float32 with the FFI kernel (built and registered on first use);
+    ``w`` float32, or float16 (widened to float32 in registers: the product of the float16
+    values, accumulated in float32)."""
     return _raw(x, w)
 
 
@@ -193,7 +204,9 @@ def _usable(mode: str) -> bool:
 def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
     """Trace-time choice for one 2-D matmul ``x[M, K] @ w[K, N]`` (see the module docs)."""
     _check_mode(mode)
-    if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32
+    if w.dtype == jnp.float16 and not _has_f16c():
+        return False
+    if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype not in (jnp.float32, jnp.float16)
             or x.shape[0] > MAX_ROWS or w.shape[1] % COL_MULTIPLE or x.shape[1] != w.shape[0]):
         return False
     return _usable(mode)

@@ -527,7 +527,9 @@ def _linear(x, w, cpu_kernels: str = "xla"):
     Both operands are flattened to 2-D first (free reshapes) so XLA sees one plain
     matmul; a multi-dimensional operand makes XLA CPU transpose the weight every call.
     ``cpu_kernels`` is ``LlamaConfig.cpu_kernels``: small float32 matmuls on CPU may go to the
-    streaming FFI kernel (models/cpu_kernels.py), same result up to float32 rounding."""
+    streaming FFI kernel (models/cpu_kernels.py), same result up to float32 rounding. A
+    weight in another dtype than ``x`` (a float16 draft head) goes to the kernel as it is
+    where the kernel takes it, else it is cast to ``x``'s dtype first."""
     B, T, D = x.shape
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is not None and not mesh.empty:
@@ -535,13 +537,13 @@ def _linear(x, w, cpu_kernels: str = "xla"):
         # sharded minor output axis (w_gate_up [D, 2, F] with F split) is not a sharding
         # XLA can express, so it would all-gather the weight on every call.
         k = next(i for i in range(1, w.ndim + 1) if math.prod(w.shape[:i]) == D)
-        y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape((D,) + w.shape[k:]),
+        y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape((D,) + w.shape[k:]).astype(x.dtype),
                                 (((1,), (0,)), ((), ())))
         return y.reshape((B, T) + w.shape[k:])  # [B, T, *out]: callers reshape as they need
     x2, w2 = x.reshape(B * T, D), w.reshape(D, -1)
     if use_small_matmul(cpu_kernels, x2, w2):
         return small_matmul(x2, w2).reshape(B, T, -1)
-    y = jax.lax.dot_general(x2, w2, (((1,), (0,)), ((), ())))
+    y = jax.lax.dot_general(x2, w2.astype(x2.dtype), (((1,), (0,)), ((), ())))
     return y.reshape(B, T, -1)
 
 

@@ -37,6 +37,27 @@ def test_matches_float64_reference(m, k, n):
     assert np.max(np.abs(y - ref)) < 2e-6 * scale * np.sqrt(k), np.max(np.abs(y - ref))
 
 
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 9, 16])
+@pytest.mark.parametrize("k,n", [(7, 192), (576, 960), (300, 8192)])
+def test_float16_weights_match_the_float64_product_of_their_values(m, k, n):
+    """float16 weights (the shipped draft head): the kernel multiplies their exact values in
+    float32; checked against float64 on the widened values, and equal to the float32 kernel
+    given the same values widened."""
+    rng = np.random.default_rng(m * 7 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w16 = rng.standard_normal((k, n)).astype(np.float16)
+    assert ck.use_small_matmul("auto", jnp.asarray(x), jnp.asarray(w16))
+    y = np.asarray(jax.jit(ck.small_matmul)(x, w16))
+    ref = _ref(x, w16.astype(np.float32))
+    assert y.shape == (m, n) and y.dtype == np.float32
+    assert np.max(np.abs(y - ref)) < 2e-6 * k, np.max(np.abs(y - ref))
+    np.testing.assert_array_equal(y, np.asarray(jax.jit(ck.small_matmul)(x, w16.astype(np.float32))))
+    # gradients of a float16-weight matmul are XLA's (training never sees the kernel)
+    g = jax.grad(lambda a: jnp.sum(ck.small_matmul(a, w16) ** 2))(x)
+    gx = jax.grad(lambda a: jnp.sum((a @ w16.astype(np.float32)) ** 2))(x)
+    np.testing.assert_allclose(g, gx, rtol=0, atol=1e-5 * float(np.abs(gx).max()))
+
+
 def test_row_results_do_not_depend_on_the_batch():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((13, 576), dtype=np.float32)

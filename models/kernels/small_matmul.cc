@@ -18,6 +18,11 @@
 // or on the other rows, so a row's result does not depend on the batch it sits in.
 // Vectors are GCC vector extensions (AVX-512 with -march=native where present, else what
 // the CPU has). Built on first use by models/cpu_kernels.py.
+// Weights may also be float16 (SpecjaxSmallMatmulF16: x and y stay float32, each weight
+// vector is widened in registers as it is loaded), which halves the bytes streamed for
+// weights that are stored in float16 anyway (the shipped draft head).
+#include <immintrin.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -43,20 +48,47 @@ constexpr int64_t kMaxChunks = 8;
 // NV = 4 (64-column units, up to 6 rows) or 2 (32-column units, up to 9 rows, so that 7..9
 // rows still read each weight row once; up to 12 rows x 2 accumulators + 2 weight vectors
 // would fit in the 32 vector registers, but 10-12 rows measured slower than 6-row groups).
-template <int TM, int NV>
-inline void Micro(const float* __restrict xt, int64_t xs, const float* __restrict w, int64_t rows, int64_t n,
+inline v16 LoadW(const float* p) { return load16(p); }
+// float16 -> float32 with the F16C/AVX-512 conversion instruction (GCC lowers a generic
+// _Float16 vector conversion to a library call per element on CPUs without AVX512-FP16)
+inline v16 LoadW(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v16 v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+#elif defined(__F16C__)
+  v16 v;
+  for (int i = 0; i < 2; ++i) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    std::memcpy(reinterpret_cast<float*>(&v) + 8 * i, &f, sizeof(f));
+  }
+  return v;
+#else  // never called: the float16 handler refuses to run (models/cpu_kernels.py checks first)
+  (void)p;
+  return v16{};
+#endif
+}
+#if defined(__AVX512F__) || defined(__F16C__)
+constexpr bool kHaveF16 = true;
+#else
+constexpr bool kHaveF16 = false;
+#endif
+
+template <int TM, int NV, class W>
+inline void Micro(const float* __restrict xt, int64_t xs, const W* __restrict w, int64_t rows, int64_t n,
                   float* __restrict p, bool first) {
   v16 acc[TM][NV];
   for (int t = 0; t < TM; ++t)
     for (int j = 0; j < NV; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* wr = w + r * n;
+    const W* wr = w + r * n;
     // may point past the end: prefetch never faults. Into L2/L3 (locality 1), not L1: with
     // L1 prefetches a 5-row step ran ~20% slower (the FMAs and the stream then compete).
-    const float* pf = wr + kPrefetchRows * n;
+    const W* pf = wr + kPrefetchRows * n;
     for (int j = 0; j < NV; ++j) __builtin_prefetch(pf + 16 * j, 0, 1);
     v16 wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = load16(wr + 16 * j);
+    for (int j = 0; j < NV; ++j) wv[j] = LoadW(wr + 16 * j);
     for (int t = 0; t < TM; ++t) {
       const float b = xt[r * xs + t];
       for (int j = 0; j < NV; ++j) acc[t][j] += b * wv[j];
@@ -67,8 +99,8 @@ inline void Micro(const float* __restrict xt, int64_t xs, const float* __restric
 }
 
 // Micro<tm, NV> for a runtime tm in 1..TM
-template <int NV, int TM>
-inline void MicroUpTo(int tm, const float* xt, int64_t xs, const float* w, int64_t rows, int64_t n, float* p,
+template <int NV, int TM, class W>
+inline void MicroUpTo(int tm, const float* xt, int64_t xs, const W* w, int64_t rows, int64_t n, float* p,
                       bool first) {
   if constexpr (TM > 1) {
     if (tm < TM) return MicroUpTo<NV, TM - 1>(tm, xt, xs, w, rows, n, p, first);
@@ -76,8 +108,9 @@ inline void MicroUpTo(int tm, const float* xt, int64_t xs, const float* w, int64
   Micro<TM, NV>(xt, xs, w, rows, n, p, first);
 }
 
+template <class W>
 struct Job {
-  const float* w = nullptr;
+  const W* w = nullptr;
   const float* xt = nullptr;  // [groups][K][gr], x transposed per group of gr rows
   int64_t m = 0, k = 0, n = 0, chunks = 0;
   int64_t gr = kMaxRows;     // rows per register group: kMaxRows (64-column units) or kMaxRowsNarrow (32)
@@ -95,7 +128,7 @@ struct Job {
     const int64_t groups = (m + gr - 1) / gr, unit = narrow ? 32 : 64;
     for (int64_t r0 = k0; r0 < k1; r0 += kTileRows) {
       const int64_t rows = k1 - r0 < kTileRows ? k1 - r0 : kTileRows;
-      const float* w_tile = w + r0 * n;
+      const W* w_tile = w + r0 * n;
       for (int64_t u = c0; u < c1; u += unit)
         for (int64_t g = 0; g < groups; ++g) {
           const int tm = static_cast<int>(m - g * gr < gr ? m - g * gr : gr);
@@ -111,13 +144,17 @@ struct Job {
 
 };
 
-ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT, class W>
+ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % 64 != 0 || xd[0] < 1)
     return ffi::Error::InvalidArgument(
         "specjax small_matmul: expected x[M, K] and w[K, N] with N a multiple of 64");
+  if constexpr (WT == ffi::F16) {
+    if (!kHaveF16) return ffi::Error::InvalidArgument("specjax small_matmul: float16 weights need F16C");
+  }
   const int64_t m = xd[0], k = xd[1], n = wd[1];
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
@@ -144,8 +181,8 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (chunks > kMaxChunks) chunks = kMaxChunks;
   while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
 
-  Job job;
-  job.w = w.typed_data();
+  Job<W> job;
+  job.w = reinterpret_cast<const W*>(w.typed_data());
   job.xt = xt_buf.data();
   job.m = m;
   job.k = k;
@@ -171,9 +208,15 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmul, SmallMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmul, (SmallMatmulImpl<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulF16, (SmallMatmulImpl<ffi::F16, uint16_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
