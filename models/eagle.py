@@ -92,17 +92,17 @@ class Layer(nnx.Module):
         N, Nkv, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         ck = cfg.cpu_kernels  # small float32 matmuls (the proposer's M <= 16) use the CPU kernel
         h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-        q = apply_rope(_linear(h, self.wq[...].astype(dt), ck).reshape(B, T, N, H), cos, sin)
-        k = apply_rope(_linear(h, self.wk[...].astype(dt), ck).reshape(B, T, Nkv, H), cos, sin)
-        v = _linear(h, self.wv[...].astype(dt), ck).reshape(B, T, Nkv, H)
+        q = apply_rope(_linear(h, self.wq[...], ck).reshape(B, T, N, H), cos, sin)
+        k = apply_rope(_linear(h, self.wk[...], ck).reshape(B, T, Nkv, H), cos, sin)
+        v = _linear(h, self.wv[...], ck).reshape(B, T, Nkv, H)
         b_idx, h_idx = jnp.arange(B)[:, None, None], jnp.arange(Nkv)[None, None, :]
         k_all = k_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(k.astype(k_all.dtype), mode="drop")
         v_all = v_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(v.astype(v_all.dtype), mode="drop")
         o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
-        x = x + _linear(o.reshape(B, T, N * H), self.wo[...].astype(dt), ck)
+        x = x + _linear(o.reshape(B, T, N * H), self.wo[...], ck)
         h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-        a = jax.nn.silu(_linear(h, self.w_gate[...].astype(dt), ck)) * _linear(h, self.w_up[...].astype(dt), ck)
-        return x + _linear(a, self.w_down[...].astype(dt), ck), k_all, v_all
+        a = jax.nn.silu(_linear(h, self.w_gate[...], ck)) * _linear(h, self.w_up[...], ck)
+        return x + _linear(a, self.w_down[...], ck), k_all, v_all
 
 
 class Frozen(nnx.Variable):
@@ -247,7 +247,7 @@ class EagleHead(nnx.Module):
     def logits(self, h):
         """[..., D] -> [..., Vs] float32 logits over the scored tokens."""
         if self.cfg.vocab_subset:
-            w = self.head_sub[...].astype(h.dtype)
+            w = self.head_sub[...]
             lead = h.shape[:-1]
             out = _linear(h.reshape(1, -1, h.shape[-1]), w, self.cfg.layer_config().cpu_kernels)
             return out.reshape(lead + (w.shape[1],)).astype(jnp.float32)
@@ -266,7 +266,7 @@ class EagleHead(nnx.Module):
         dt = self.cfg.layer_config().compute_dtype
         e = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = jnp.concatenate([hidden.astype(dt), e], axis=-1)
-        return _linear(x, self.fc[...].astype(dt), self.cfg.layer_config().cpu_kernels)
+        return _linear(x, self.fc[...], self.cfg.layer_config().cpu_kernels)
 
     def _layers(self, x, k_all, v_all, slots, cos, sin, mask):
         for i, blk in enumerate(self.layers):

@@ -141,26 +141,40 @@ def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional
     os.replace(tmp, path)
 
 
-def read_draft(path: str):
-    """(meta dict, weights dict of numpy arrays)."""
+def read_draft(path: str, upcast: bool = True):
+    """(meta dict, weights dict of numpy arrays); float weights as float32 unless not ``upcast``."""
     with np.load(path) as f:
         meta = json.loads(bytes(f["meta"]).decode())
         weights = {k: f[k] for k in f.files if k != "meta"}
-    weights = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
+    if upcast:
+        weights = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
     return meta, weights
 
 
-def load_draft_model(path: str, target):
-    """The draft model in a file: an ``EagleModel`` or a ``LlamaLM`` (checked against the target)."""
+def load_draft_model(path: str, target, param_dtype: str = "auto"):
+    """The draft model in a file: an ``EagleModel`` or a ``LlamaLM`` (checked against the target).
+
+    ``param_dtype`` (EAGLE heads): ``"auto"`` keeps weights stored in float16 as float16 (the
+    same values; the CPU matmul kernel reads them as they are, streaming half the bytes, and
+    computes in float32), otherwise the file's config; or a dtype name. A draft's numerics
+    change only its q, which the verifier uses as it is: the output law stays the target's."""
     from models.eagle import EagleConfig, EagleModel
     from models.llama import LlamaConfig, LlamaLM
 
-    meta, w = read_draft(path)
+    meta, w = read_draft(path, upcast=False)
     kind = meta.get("kind")
     if kind == "eagle":
-        cfg = EagleConfig.from_dict(meta["config"])
+        c = dict(meta["config"])
+        floats = [v for v in w.values() if np.issubdtype(v.dtype, np.floating)]
+        if param_dtype == "auto":
+            if floats and all(v.dtype == np.float16 for v in floats):
+                c["param_dtype"] = "float16"
+        else:
+            c["param_dtype"] = param_dtype
+        cfg = EagleConfig.from_dict(c)
         tm = w.pop("token_map", None)
         return EagleModel.for_target(target, cfg, trainable=w, token_map=tm)
+    w = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in w.items()}
     if kind == "llama":
         cfg = LlamaConfig(**meta["config"])
         if cfg.vocab_size != target.vocab_size:
