@@ -84,7 +84,8 @@ class EagleProposer(ModelBackedProposer):
                 return sample_rows(ks, lp), lp
             # q is 0 outside the scored tokens (the pipeline keeps -inf at -inf), so drawing
             # among them alone is the same law at a sixth of the noise to generate
-            return tm[sample_rows(ks, jnp.take(lp, tm, axis=-1))], lp
+            j = sample_rows(ks, jnp.take(lp, tm, axis=-1))
+            return jnp.where(j < 0, j, tm[jnp.maximum(j, 0)]), lp  # -1 (nothing possible) stays -1
 
         def step(carry, i):
             cache, h, counts = carry

@@ -447,7 +447,15 @@ class SpeculativeEngine(_Sharded):
             if self.method == "greedy":
                 res = jax.vmap(V_.greedy_verify)(x, p_lp, nd)
             else:
-                res = jax.vmap(verify_one)(rkeys, x, q_lp, p_lp, nd)
+                # every target row greedy: the residual / bonus law of each row has at most
+                # one possible token, so its draw needs no noise (sampling.single_draws)
+                def verify_rows(single):
+                    def f(_):
+                        with sampling.single_draws(single):
+                            return jax.vmap(verify_one)(rkeys, x, q_lp, p_lp, nd)
+                    return f
+
+                res = jax.lax.cond(sampling.at_most_one_possible(p_lp), verify_rows(True), verify_rows(False), None)
             n_acc = res.num_accepted
             state, n_commit = _commit(state, res.tokens, n_acc + 1, stop_ids, max_new, res.error)
 

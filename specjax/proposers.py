@@ -91,8 +91,12 @@ def process_rows(logits, params, counts, use_penalties, allowed=None):
 
 
 def sample_rows(keys, logprobs):
-    """One token per row from [B, V] processed log-probs with per-row keys."""
-    return jax.vmap(sampling.sample)(keys, logprobs)
+    """One token per row from [B, V] processed log-probs with per-row keys. When every row
+    has at most one possible token (all rows greedy) the draw is that token, taken without
+    generating noise (the same result: ``sampling.draw_single``)."""
+    return jax.lax.cond(sampling.at_most_one_possible(logprobs),
+                        lambda lp: jax.vmap(sampling.draw_single)(lp),
+                        lambda lp: jax.vmap(sampling.sample)(keys, lp), logprobs)
 
 
 def draft_chain(k: int, step, final_draw, carry):

@@ -385,12 +385,45 @@ def gumbel(key, shape) -> jax.Array:
     return -jnp.log(-jnp.log1p(-v))
 
 
+_SINGLE = False  # trace-time switch, see single_draws()
+
+
+def at_most_one_possible(logprobs) -> jax.Array:
+    """bool[]: every row of ``logprobs`` [..., V] has at most one finite entry (greedy rows)."""
+    return jnp.all(jnp.sum(jnp.asarray(logprobs) > _NEG_INF, axis=-1) <= 1)
+
+
+def draw_single(logprobs) -> jax.Array:
+    """What :func:`sample` returns, whatever its key, for a row with at most one finite entry:
+    that entry's index, or -1 when there is none or a NaN. No noise is generated."""
+    lp = jnp.asarray(logprobs, jnp.float32)
+    ok = lp > _NEG_INF
+    tok = jnp.argmax(ok, axis=-1).astype(jnp.int32)
+    bad = ~jnp.any(ok, axis=-1) | jnp.any(jnp.isnan(lp), axis=-1)
+    return jnp.where(bad, jnp.int32(-1), tok)
+
+
+@contextlib.contextmanager
+def single_draws(on: bool = True):
+    """While tracing under this context, :func:`sample` is :func:`draw_single`. Callers use it
+    in the branch of a batch-level ``lax.cond(at_most_one_possible(...))`` (every row greedy):
+    the same tokens as the Gumbel-max draw, without generating V noise values per row."""
+    global _SINGLE
+    old, _SINGLE = _SINGLE, bool(on)
+    try:
+        yield
+    finally:
+        _SINGLE = old
+
+
 def sample(key, logprobs) -> jax.Array:
     """Draw one int32 token from one row's processed log-probs [V] (Gumbel-max).
 
     Exact up to float32 resolution; a ``-inf`` token is never drawn.  A row with no
     finite entry (nothing allowed) or with NaN returns -1 (``verify.PAD_ID``).
     """
+    if _SINGLE:
+        return draw_single(logprobs)
     lp = jnp.asarray(logprobs, jnp.float32)
     score = lp + gumbel(key, lp.shape)
     best = jnp.max(score, axis=-1, keepdims=True)

@@ -226,3 +226,32 @@ def test_uniforms_and_gumbel_are_finite_and_open():
     g = np.asarray(gumbel(jax.random.key(2), (1_000_000,)))
     assert np.all(np.isfinite(g))
     assert abs(g.mean() - np.euler_gamma) < 0.01
+
+
+def test_single_draws_equal_the_gumbel_draw():
+    """Rows with at most one possible token: draw_single (no noise) returns exactly what the
+    Gumbel-max sample returns under any key; sample_rows switches to it only when every row
+    qualifies, and the engine's greedy verification then emits the same tokens."""
+    from specjax import sampling
+    from specjax.proposers import sample_rows
+
+    v = 50
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((6, v)), jnp.float32)
+    greedy = sampling.process_logits(logits, sampling.SamplingConfig(temperature=0.0).to_params(6))
+    hot = sampling.process_logits(logits, sampling.SamplingConfig(temperature=1.0).to_params(6))
+    none = jnp.full((1, v), -jnp.inf)
+    nan = greedy[:1].at[0, 3].set(jnp.nan)
+    rows = jnp.concatenate([greedy, none, nan])
+    assert bool(sampling.at_most_one_possible(rows)) and not bool(sampling.at_most_one_possible(hot))
+    got = jax.vmap(sampling.draw_single)(rows)
+    for seed in range(5):
+        keys = jax.random.split(jax.random.key(seed), rows.shape[0])
+        np.testing.assert_array_equal(got, jax.vmap(sampling.sample)(keys, rows))
+        np.testing.assert_array_equal(sample_rows(keys, rows), got)
+        hk = jax.random.split(jax.random.key(seed), 6)
+        np.testing.assert_array_equal(sample_rows(hk, hot), jax.vmap(sampling.sample)(hk, hot))
+        mixed = jnp.concatenate([greedy[:3], hot[3:]])
+        np.testing.assert_array_equal(sample_rows(hk, mixed), jax.vmap(sampling.sample)(hk, mixed))
+    assert list(np.asarray(got[-2:])) == [-1, -1]
+    np.testing.assert_array_equal(got[:6], jnp.argmax(logits, -1))
