@@ -33,6 +33,7 @@ batch it sits in; it differs from XLA's dot by float32 rounding only (~1e-6 rela
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -60,6 +61,7 @@ _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "reason": str; once built: "path", "lib" (kept loaded)
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -204,10 +206,10 @@ def _usable(mode: str) -> bool:
 def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
     """Trace-time choice for one 2-D matmul ``x[M, K] @ w[K, N]`` (see the module docs)."""
     _check_mode(mode)
-    if w.dtype == jnp.float16 and not _has_f16c():
-        return False
     if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype not in (jnp.float32, jnp.float16)
             or x.shape[0] > MAX_ROWS or w.shape[1] % COL_MULTIPLE or x.shape[1] != w.shape[0]):
+        return False
+    if w.dtype == jnp.float16 and not _has_f16c():
         return False
     return _usable(mode)
 

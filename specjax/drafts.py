@@ -23,10 +23,9 @@ def shipped_draft_path(target):
     path = os.path.join(DRAFT_DIR, name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"the shipped draft {path} is missing from the installation")
-    from specjax.eagle import read_draft
+    from specjax.eagle import read_draft_meta
 
-    meta, _ = read_draft(path)
-    c, t = meta["config"], target.config
+    c, t = read_draft_meta(path)["config"], target.config
     if (c["vocab_size"], c["dim"]) != (t.vocab_size, t.dim):
         return None
     return path

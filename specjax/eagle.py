@@ -142,14 +142,22 @@ def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional
     os.replace(tmp, path)
 
 
+def _float32(weights: dict) -> dict:
+    return {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
+
+
+def read_draft_meta(path: str) -> dict:
+    """The ``meta`` dict of a draft file, without reading its weights."""
+    with np.load(path) as f:
+        return json.loads(bytes(f["meta"]).decode())
+
+
 def read_draft(path: str, upcast: bool = True):
     """(meta dict, weights dict of numpy arrays); float weights as float32 unless not ``upcast``."""
     with np.load(path) as f:
         meta = json.loads(bytes(f["meta"]).decode())
         weights = {k: f[k] for k in f.files if k != "meta"}
-    if upcast:
-        weights = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
-    return meta, weights
+    return meta, (_float32(weights) if upcast else weights)
 
 
 def load_draft_model(path: str, target, param_dtype: str = "auto"):
@@ -175,7 +183,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
         cfg = EagleConfig.from_dict(c)
         tm = w.pop("token_map", None)
         return EagleModel.for_target(target, cfg, trainable=w, token_map=tm)
-    w = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in w.items()}
+    w = _float32(w)
     if kind == "llama":
         cfg = LlamaConfig(**meta["config"])
         if cfg.vocab_size != target.vocab_size:

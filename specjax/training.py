@@ -328,6 +328,11 @@ def _data_key(cfg: RunConfig, split: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _pad64(n) -> int:
+    """``n`` rounded up to a multiple of 64: sequence lengths come in a few shapes only."""
+    return int(math.ceil(int(n) / 64) * 64)
+
+
 def _teacher_fn(target, topk):
     from models.base import KVCache  # noqa: F401
 
@@ -376,7 +381,7 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
             f"{sum(len(x) - p for x, p in zip(seqs, plens))} new tokens, {time.time() - t0:.0f}s")
     n = len(seqs)
     lengths = np.array([len(x) for x in seqs], np.int32)
-    T = int(math.ceil(lengths.max() / 64) * 64)  # batches are cropped to multiples of 64 anyway
+    T = _pad64(lengths.max())  # batches are cropped to multiples of 64 anyway
     toks = np.zeros((n, T), np.int32)
     for i, x in enumerate(seqs):
         toks[i, :len(x)] = x
@@ -390,7 +395,7 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
     order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
     for s in range(0, n, tb):
         rows_b = order[s:s + tb]
-        tlen = min(T, int(math.ceil(lengths[rows_b].max() / 64) * 64))  # few shapes to compile
+        tlen = min(T, _pad64(lengths[rows_b].max()))  # few shapes to compile
         blk = toks[rows_b, :tlen]
         pad = tb - blk.shape[0]
         if pad:
@@ -725,7 +730,7 @@ def _export_at(cfg: RunConfig, draft: Draft, trainable, out_dir, ntrain, heldout
 
 def _batch(train_data, keys, idx):
     # crop the padding to a multiple of 64 (a few shapes only): same result, less work
-    tlen = min(train_data["tokens"].shape[1], int(math.ceil(train_data["lengths"][idx].max() / 64) * 64))
+    tlen = min(train_data["tokens"].shape[1], _pad64(train_data["lengths"][idx].max()))
     return {k: jnp.asarray(train_data[k][idx] if k in ("lengths", "prompt_lens") else train_data[k][idx, :tlen])
             for k in keys}
 
@@ -756,7 +761,8 @@ def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, k
     left = deadline - time.time() - compile_s - reserve_s  # reserve: final checkpoint + export
     per = step_s + eval_s / tc.eval_every
     steps = int((left - eval_s) / per) if left > 0 else 0
-    steps = min(tc.steps, steps // (100 if steps >= 1000 else 10) * (100 if steps >= 1000 else 10))
+    unit = 100 if steps >= 1000 else 10
+    steps = min(tc.steps, steps // unit * unit)
     log(f"[budget] step {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s), eval {eval_s:.1f} s, "
         f"{max(left, 0):.0f} s left -> steps={steps} (reproduce with --steps {steps})")
     if steps < tc.warmup + 10:
