@@ -736,11 +736,12 @@ def _batch(train_data, keys, idx):
 
 
 def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, keys, deadline: float, log,
-              probe: int = 12, reserve_s: float = 30.0) -> int:
-    """The number of steps that ends the run before ``deadline`` (a ``time.time()``), from
+              probe: int = 12, reserve_s: float = 30.0, clock=time.time) -> int:
+    """The number of steps that ends the run before ``deadline`` (a ``clock()`` reading), from
     timed steps of this very run (on a copy of the state: the run itself is unchanged and
     equals a run with ``--steps N``). At most ``train.steps``; a multiple of 100 (10 below
-    1000); an error when not even ``warmup + 10`` steps fit."""
+    1000); an error when not even ``warmup + 10`` steps fit. ``clock`` is a parameter so
+    that tests can replace the machine's speed with a fixed one."""
     tc = cfg.train
     step_fn, opt = make_train_step(draft, tc, vocab_size)
     state = (jax.tree.map(jnp.copy, draft.trainable), opt.init(draft.trainable))
@@ -748,19 +749,19 @@ def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, k
     times = []
     for i in range(probe):
         b = _batch(train_data, keys, batch_indices(cfg.seed, i, tc.batch_size, n))
-        t0 = time.time()
+        t0 = clock()
         state, met = step_fn(state, b)
         jax.block_until_ready(met)
-        times.append(time.time() - t0)
+        times.append(clock() - t0)
     compile_s = times[0]
     step_s = float(np.median(times[2:])) * 1.15  # host work per step and drift
     ev = make_eval(draft, tc.eval_positions)
-    t0 = time.time()
+    t0 = clock()
     evaluate(ev, state[0], held, tc.eval_batch)
-    eval_s = time.time() - t0  # includes its compile: an upper bound per evaluation
-    left = deadline - time.time() - compile_s - reserve_s  # reserve: final checkpoint + export
+    eval_s = clock() - t0  # includes its compile: an upper bound per evaluation
+    left = deadline - clock() - compile_s - reserve_s  # reserve: final checkpoint + export
     per = step_s + eval_s / tc.eval_every
-    steps = int((left - eval_s) / per) if left > 0 else 0
+    steps = max(0, int((left - eval_s) / per))
     unit = 100 if steps >= 1000 else 10
     steps = min(tc.steps, steps // unit * unit)
     log(f"[budget] step {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s), eval {eval_s:.1f} s, "
@@ -771,13 +772,13 @@ def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, k
 
 
 def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, tokenizer=None,
-          time_budget: Optional[float] = None, reserve_s: float = 30.0) -> dict:
+          time_budget: Optional[float] = None, reserve_s: float = 30.0, clock=time.time) -> dict:
     """Run (or resume) a training run. ``stop_after`` ends the process-equivalent of a kill
     after that many steps (no final checkpoint). ``time_budget`` (seconds from the call)
     sets ``train.steps`` to what fits (:func:`fit_steps`; reported, so the run can be
     repeated with that fixed step count), keeping ``reserve_s`` for the final checkpoint and
-    export. Returns a summary dict."""
-    t_call = time.time()
+    export (``clock``: see :func:`fit_steps`). Returns a summary dict."""
+    t_call = clock()
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
     tc = cfg.train
@@ -794,7 +795,8 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     v = target.config.vocab_size
     keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + (["hidden"] if draft.kind == "eagle" else [])
     if time_budget is not None:
-        steps = fit_steps(cfg, draft, v, train_data, held, keys, t_call + time_budget, log, reserve_s=reserve_s)
+        steps = fit_steps(cfg, draft, v, train_data, held, keys, t_call + time_budget, log,
+                          reserve_s=reserve_s, clock=clock)
         tc = dataclasses.replace(tc, steps=steps)
         cfg = dataclasses.replace(cfg, train=tc)
         with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -135,9 +135,13 @@ def test_time_budget_picks_steps_and_equals_a_fixed_step_run(prompt_files, tmp_p
     for split in ("train", "heldout"):
         T.build_data(T.load_config(cfg), split, target, None, log=lambda s: None)
     logs = []
-    res = T.train(cfg, target=target, time_budget=4.0, reserve_s=0.0, log=logs.append)
+    # A clock that advances 10 ms per reading, so the result does not depend on this machine's
+    # speed: t_call = 0; 12 probe steps of 10 ms each (compile 10 ms, step 11.5 ms with the
+    # 15% margin); the evaluation 10 ms; "now" is the 28th reading (0.27 s). Steps =
+    # (4.0 - 0.27 - 0.01 - 0.01) / (0.0115 + 0.01 / 100000) = 322.6 -> 320 (multiple of 10).
+    res = T.train(cfg, target=target, time_budget=4.0, reserve_s=0.0, log=logs.append, clock=_Ticks(0.01))
     n = res["steps"]
-    assert 10 <= n < 100000 and n % 10 == 0, n
+    assert n == 320, n
     assert any(f"--steps {n}" in ln for ln in logs)
     with open(tmp_path / "budget" / "config.json") as f:
         assert json.load(f)["train"]["steps"] == n
@@ -145,7 +149,19 @@ def test_time_budget_picks_steps_and_equals_a_fixed_step_run(prompt_files, tmp_p
     for a, b in zip(jax.tree.leaves(res["params"]), jax.tree.leaves(fixed["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(RuntimeError, match="time budget"):
-        T.train(_cfg(prompt_files, tmp_path / "tiny", draft, **kw), target=target, time_budget=0.01)
+        T.train(_cfg(prompt_files, tmp_path / "tiny", draft, **kw), target=target, time_budget=0.2,
+                clock=_Ticks(0.01))
+
+
+class _Ticks:
+    """A fake clock: each reading is ``dt`` later than the one before."""
+
+    def __init__(self, dt: float):
+        self.dt, self.n = dt, -1
+
+    def __call__(self) -> float:
+        self.n += 1
+        return self.n * self.dt
 
 
 def test_float16_draft_files(tmp_path, target):
