@@ -59,6 +59,7 @@ class EagleProposer(ModelBackedProposer):
     k: int
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
+    always_drafts: bool = True  # num_draft is K for every row
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         if target_hidden is None:

@@ -432,17 +432,20 @@ class SpeculativeEngine(_Sharded):
                 hd = o.hidden if want_hidden else jnp.zeros((b, 1, 1), jnp.float32)
                 return lg, jnp.broadcast_to(hd, (b, k + 1) + hd.shape[2:]), o.cache
 
-            # a round where no row proposed anything costs one single-token target step
-            t_logits, t_hidden, tcache = jax.lax.cond(jnp.any(nd > 0), score_full, score_one, None)
+            # a round where no row proposed anything costs one single-token target step; a
+            # proposer that always drafts K tokens (``always_drafts``) skips the test, and
+            # with it the copies of the whole KV cache that a conditional costs
+            if getattr(prop, "always_drafts", False):
+                t_logits, t_hidden, tcache = score_full(None)
+            else:
+                t_logits, t_hidden, tcache = jax.lax.cond(jnp.any(nd > 0), score_full, score_one, None)
             t_logits, tcache = self._c(t_logits, _LOGITS), self._c_cache(tcache)
 
             # the same pipeline, same order, for the target at each of the K+1 positions:
             # the history at position i includes the draft tokens x_1..x_{i}
-            xv = jnp.where(jnp.arange(k)[None, :] < nd[:, None], x, 0)
-            oh = jax.nn.one_hot(xv, v, dtype=jnp.int32) * (jnp.arange(k)[None, :] < nd[:, None])[..., None]
-            pos_counts = state["counts"][:, None, :] + jnp.concatenate(
-                [jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(oh, axis=1)], axis=1)
-            p_lp = self._c(process_rows(t_logits, params, pos_counts, use_penalties), _LOGITS)
+            # (computed only when some row has a penalty on)
+            p_lp = self._c(process_rows(t_logits, params, lambda: self._position_counts(state["counts"], x, nd),
+                                        use_penalties), _LOGITS)
 
             if self.method == "greedy":
                 res = jax.vmap(V_.greedy_verify)(x, p_lp, nd)
@@ -494,6 +497,17 @@ class SpeculativeEngine(_Sharded):
             error=state["error"], **stats,
         ))
         return dict(out, proposer_state=pstate)
+
+    @staticmethod
+    def _position_counts(counts, x, nd):
+        """Token counts of the history at each of the K+1 scored positions: position i
+        sees the committed tokens (``counts`` [B, V]) and the draft tokens x_1..x_i of
+        its row (only the ``nd`` real ones) -> [B, K+1, V]."""
+        b, k = x.shape
+        real = jnp.arange(k)[None, :] < nd[:, None]
+        oh = jax.nn.one_hot(jnp.where(real, x, 0), counts.shape[-1], dtype=counts.dtype) * real[..., None]
+        return counts[:, None, :] + jnp.concatenate(
+            [jnp.zeros((b, 1, counts.shape[-1]), counts.dtype), jnp.cumsum(oh, axis=1)], axis=1)
 
     @staticmethod
     def _target_cache_lengths(seq_len):

@@ -13,7 +13,11 @@ inside the engine's jitted ``lax.while_loop``:
 
 A proposal carries ``tokens int32[B, K]``, the *processed* draft log-probs
 ``logprobs float32[B, K, V]`` that the tokens were actually drawn from, and
-``num_draft int32[B]`` (how many of the K slots are real; the rest are ignored).
+``num_draft int32[B]`` (how many of the K slots are real; the rest are ignored). A
+proposer whose ``num_draft`` is always K sets ``always_drafts = True``: the engine then
+scores every round with the full (K+1)-token step without first testing for rounds with
+nothing drafted (that test is a conditional, which copies the target's whole KV cache).
+The full step is always correct, so the flag changes speed only, never the output.
 Exactness never depends on the proposer: only the verifier's maths does. What the
 proposer must guarantee is that ``tokens[b, i]`` was drawn from ``exp(logprobs[b, i])``
 (a deterministic proposer reports a point mass).
@@ -75,14 +79,16 @@ def _bcast(params, ndim_extra: int):
 def process_rows(logits, params, counts, use_penalties, allowed=None):
     """The one sampling pipeline applied to [B, V] or [B, T, V] logits.
 
-    ``counts`` is [B, V] or [B, T, V]. Penalty work is skipped with a batch-level
-    ``lax.cond`` when no row uses a penalty (same law, less work).
+    ``counts`` is [B, V] or [B, T, V], or a function of no arguments that returns them
+    (then they are computed only when a penalty is on). Penalty work is skipped with a
+    batch-level ``lax.cond`` when no row uses a penalty (same law, less work).
     """
     extra = logits.ndim - 2
     p = _bcast(params, extra)
 
     def with_pen(_):
-        return sampling.process_logits(logits, p, counts=counts, allowed=allowed)
+        c = counts() if callable(counts) else counts
+        return sampling.process_logits(logits, p, counts=c, allowed=allowed)
 
     def without_pen(_):
         return sampling.process_logits(logits, p, counts=None, allowed=allowed)
@@ -138,6 +144,7 @@ class DraftModelProposer(ModelBackedProposer):
     k: int
     needs_target_hidden: bool = False
     min_prompt_len: int = 2
+    always_drafts: bool = True  # num_draft is K for every row (speed only: see module doc)
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         b = prompt_tokens.shape[0]

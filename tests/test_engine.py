@@ -51,6 +51,8 @@ def _engine_hist(eng, cfg, n, rows=ROWS, chunk=25_000, seed=0):
 CASES = {
     "t1": sampling.SamplingConfig(temperature=1.0),
     "combined": sampling.SamplingConfig(temperature=0.8, top_k=6, top_p=0.9),
+    # the target's law at draft position i depends on the draft tokens before it
+    "penalties": sampling.SamplingConfig(temperature=0.9, repetition_penalty=1.8, presence_penalty=0.7),
 }
 
 
@@ -74,6 +76,13 @@ class _OffByOneRollback(engine.SpeculativeEngine):
         return seq_len  # keeps a stale slot: the target reads a KV entry it should not
 
 
+class _StalePenaltyCounts(engine.SpeculativeEngine):
+    @staticmethod
+    def _position_counts(counts, x, nd):
+        # every scored position sees only the committed tokens, not the drafts before it
+        return jnp.broadcast_to(counts[:, None, :], (x.shape[0], x.shape[1] + 1, counts.shape[-1]))
+
+
 class _DraftWithOtherSettings(DraftModelProposer):
     """Samples draft tokens at a different temperature than the q it reports."""
 
@@ -85,13 +94,15 @@ class _DraftWithOtherSettings(DraftModelProposer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", ["rollback_off_by_one", "draft_other_settings"])
+@pytest.mark.parametrize("mutant", ["rollback_off_by_one", "draft_other_settings", "stale_penalty_counts"])
 def test_engine_mutants_fail_the_law_test(target, draft, mutant):
     k, n = 2, 4
-    cfg = CASES["t1"]
+    cfg = CASES["penalties" if mutant == "stale_penalty_counts" else "t1"]
     law = exact_chain_law(target, PROMPT, n, cfg)
     if mutant == "rollback_off_by_one":
         eng = _OffByOneRollback(target, DraftModelProposer(draft, k), k, "token")
+    elif mutant == "stale_penalty_counts":
+        eng = _StalePenaltyCounts(target, DraftModelProposer(draft, k), k, "token")
     else:
         eng = engine.SpeculativeEngine(target, _DraftWithOtherSettings(draft, k), k, "token")
     hist = _engine_hist(eng, cfg, n)
@@ -181,6 +192,24 @@ def test_statistics_are_consistent(target, draft):
         assert 0.0 <= s.mean_alpha <= 1.0
         assert s.reached_per_position[0] == s.rounds
         assert abs(s.tokens_per_round - 20 / s.rounds) < 1e-9
+
+
+def test_always_drafts_changes_speed_only(target, draft):
+    """A proposer that promises K drafts skips the 'nothing drafted' conditional (and its
+    copies of the KV cache): the same tokens and statistics as with the test in place."""
+    import dataclasses
+
+    cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.0, 0.8], repetition_penalty=[1.0, 1.0, 1.4])
+    outs, cases = [], []
+    for flag in (True, False):
+        prop = dataclasses.replace(DraftModelProposer(draft, 3), always_drafts=flag)
+        eng = engine.SpeculativeEngine(target, prop, 3, "token")
+        outs.append(eng.generate([[1, 2, 3], [4, 5], [6, 6, 6, 1]], seed=5, sampling_params=cfg,
+                                 max_new_tokens=17))
+        cases.append(eng.lower([[1, 2, 3]], seed=5, max_new_tokens=17).as_text().count("stablehlo.case"))
+    assert cases[0] == cases[1] - 1  # the scoring conditional is gone, nothing else changed
+    assert outs[0].tokens == outs[1].tokens
+    assert [dataclasses.asdict(s) for s in outs[0].stats] == [dataclasses.asdict(s) for s in outs[1].stats]
 
 
 # ------------------------------------------------- batch invariance and determinism
