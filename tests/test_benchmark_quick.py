@@ -105,3 +105,27 @@ def test_benchmark_quick_tiny_eagle_draft(tmp_path):
     assert r["method"] == "token" and r["k"] == 2 and _finite(r["speedup"]["median"])
     assert 0.0 <= r["mean_alpha"] <= 1.0 and r["tokens_per_round"] >= 1.0
     assert res["peer"]["available"] is False
+
+
+def test_profile_round_tiny(tmp_path):
+    """scripts/profile_round.py splits the traced operations into loop-body and per-call
+    ones: the loop runs once per round (speculative) or per token (autoregressive)."""
+    from models import cpu_kernels
+
+    out = tmp_path / "prof"
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    cmd = [sys.executable, str(REPO / "scripts" / "profile_round.py"), "--model", "tiny", "--draft", "layers:1",
+           "--prompts", "2", "--tokens", "16", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["speculative"]["iterations"] == s["rounds"] > 0
+    assert s["autoregressive"]["iterations"] == 2 * 16
+    for part in ("speculative", "autoregressive"):
+        r = s[part]
+        assert _finite(r["per_iteration_ms"]) and r["per_iteration_ms"] > 0
+        assert 0 <= r["model_kernels_ms"] < r["per_iteration_ms"]
+        if cpu_kernels.available()[0]:  # the tiny model's matmuls and attention use them
+            assert r["model_kernels_ms"] > 0
+        assert abs(sum(r["by_kind_ms"].values()) - r["per_iteration_ms"]) < 1e-6
+    assert "heaviest single operations" in res.stdout
