@@ -34,8 +34,9 @@ import jax  # noqa: E402
 
 from scripts.bench_common import BenchConfig, build_prompts, load_target, resolve_draft  # noqa: E402
 
-# host-side or waiting events: not the work of one operation
-_SKIP = ("$", "ThunkExecutor::Execute", "np.asarray", "CommonPjRt", "PjRt", "SlinkyThreadPool", "end: ")
+# events inside the executor that are not the work of one operation (nested executors,
+# thread-pool waits, end markers of asynchronous custom calls)
+_SKIP = ("ThunkExecutor::Execute", "SlinkyThreadPool", "end: ")
 
 
 def self_times(trace_path: str) -> tuple[collections.Counter, collections.Counter]:
@@ -50,17 +51,17 @@ def self_times(trace_path: str) -> tuple[collections.Counter, collections.Counte
     self_t, cnt = collections.Counter(), collections.Counter()
     for events in by_thread.values():
         events.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack = []  # (event, inside the executor)
+        stack = []  # (event, counted, its children run inside the executor)
         for e in events:
             while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= e["ts"]:
                 stack.pop()
-            inside = bool(stack) and stack[-1][1]
-            if inside:
+            counted = bool(stack) and stack[-1][2]
+            if counted:
                 self_t[e["name"]] += e["dur"]
                 cnt[e["name"]] += 1
-                if stack[-1][0]["name"] in self_t:
+                if stack[-1][1]:
                     self_t[stack[-1][0]["name"]] -= e["dur"]
-            stack.append((e, inside or e["name"].startswith("ThunkExecutor::Execute")))
+            stack.append((e, counted, counted or e["name"].startswith("ThunkExecutor::Execute")))
     return self_t, cnt
 
 

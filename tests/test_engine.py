@@ -2,6 +2,7 @@
 greedy equality, batch invariance, determinism, stop rules and no recompilation."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -197,8 +198,6 @@ def test_statistics_are_consistent(target, draft):
 def test_always_drafts_changes_speed_only(target, draft):
     """A proposer that promises K drafts skips the 'nothing drafted' conditional (and its
     copies of the KV cache): the same tokens and statistics as with the test in place."""
-    import dataclasses
-
     cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.0, 0.8], repetition_penalty=[1.0, 1.0, 1.4])
     outs, cases = [], []
     for flag in (True, False):
