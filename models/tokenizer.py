@@ -70,7 +70,7 @@ class Tokenizer:
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, path=None) -> "Tokenizer":
-        from models.gguf_loader import open_gguf, read_metadata
+        from specjax.models.gguf_loader import open_gguf, read_metadata
 
         meta = read_metadata(open_gguf(path), include_big=True)
         return cls.from_gguf_metadata(meta)

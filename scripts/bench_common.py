@@ -190,20 +190,19 @@ def load_target(spec: str, param_dtype: str = "float32", dtype: Optional[str] = 
     """``(model, tokenizer or None, description dict)`` for ``--model``."""
     dt = dict(param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=bool(scan_layers))
     if spec == "tiny":
-        from models import LlamaLM, tiny_config
+        from specjax.models import LlamaLM, tiny_config
 
         m = LlamaLM.init(tiny_config(**TINY, **dt, name="tiny-random"), seed=0)
         return m, None, {"kind": "tiny", "name": "tiny-random", **TINY, **dt}
     if spec in ("default", "smollm2", "smollm2-135m") or spec.endswith(".gguf"):
-        import models
-
+        from specjax import models
         path = None if not spec.endswith(".gguf") else spec
-        m, meta = models.load_default_target(path, **dt)
-        tok = models.load_default_tokenizer(path)
+        m, meta = specjax.models.load_default_target(path, **dt)
+        tok = specjax.models.load_default_tokenizer(path)
         return m, tok, {"kind": "gguf", "name": m.config.name, "path": meta.get("path"),
                         "n_layers": m.config.n_layers, "vocab_size": m.vocab_size,
                         "params": m.config.num_params(), **dt}
-    from models.config import load_preset
+    from specjax.models.config import load_preset
 
     pre = load_preset(spec, **dt)
     m = pre.build(seed=0)
@@ -223,7 +222,7 @@ def resolve_draft(spec: str, target):
         d = default_draft_for(target)
         if isinstance(d, str):
             return resolve_draft(d if d != "ngram" else "lookup", target)[0], {"kind": "lookup", "spec": "default"}
-        from models.eagle import EagleModel
+        from specjax.models.eagle import EagleModel
         from specjax.drafts import shipped_draft_path
 
         if isinstance(d, EagleModel):
@@ -242,7 +241,7 @@ def resolve_draft(spec: str, target):
     runtime = dict(param_dtype=target.config.param_dtype, dtype=target.config.dtype,
                    scan_layers=target.config.scan_layers)
     if p.suffix == ".npz":
-        from models.eagle import EagleModel
+        from specjax.models.eagle import EagleModel
         from specjax.eagle import load_draft_model
 
         d = load_draft_model(str(p), target)
@@ -250,15 +249,15 @@ def resolve_draft(spec: str, target):
             return d, {"kind": "eagle", "spec": spec, "path": str(p.resolve()),
                        "n_layers": d.config.n_layers, "vocab_subset": d.config.vocab_subset}
     elif p.suffix == ".gguf":
-        from models.gguf_loader import load_gguf
+        from specjax.models.gguf_loader import load_gguf
 
         d, _ = load_gguf(str(p), **runtime)
     elif p.suffix in (".yaml", ".yml"):
-        from models.config import load_preset
+        from specjax.models.config import load_preset
 
         d = load_preset(str(p), **runtime).build(seed=0)
     else:
-        from models.hf_checkpoint import load_hf
+        from specjax.models.hf_checkpoint import load_hf
 
         d = load_hf(str(p), **runtime)
     if d.vocab_size != target.vocab_size:

@@ -49,14 +49,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     if args.random:
-        from models.config import load_model_config
-        from models.llama import LlamaLM
+        from specjax.models.config import load_model_config
+        from specjax.models.llama import LlamaLM
 
         cfg = load_model_config("smollm2-135m", dtype=args.dtype, param_dtype=args.dtype,
                                 scan_layers=args.scan_layers)
         lm = LlamaLM.init(cfg, 0)
     else:
-        from models.gguf_loader import load_gguf
+        from specjax.models.gguf_loader import load_gguf
 
         lm, _ = load_gguf(args.gguf, dtype=args.dtype, param_dtype=args.dtype, scan_layers=args.scan_layers)
     if args.attn_chunk is not None:

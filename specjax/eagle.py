@@ -53,7 +53,7 @@ def _take_rows(x, idx):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EagleProposer(ModelBackedProposer):
-    """Proposer for an :class:`models.eagle.EagleModel` (needs the target's hidden states)."""
+    """Proposer for an :class:`specjax.models.eagle.EagleModel` (needs the target's hidden states)."""
 
     model: Any
     k: int
@@ -168,8 +168,8 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
     same values; the CPU matmul kernel reads them as they are, streaming half the bytes, and
     computes in float32), otherwise the file's config; or a dtype name. A draft's numerics
     change only its q, which the verifier uses as it is: the output law stays the target's."""
-    from models.eagle import EagleConfig, EagleModel
-    from models.llama import LlamaConfig, LlamaLM
+    from specjax.models.eagle import EagleConfig, EagleModel
+    from specjax.models.llama import LlamaConfig, LlamaLM
 
     meta, w = read_draft(path, upcast=False)
     kind = meta.get("kind")
@@ -201,7 +201,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
 
 def load_draft(path: str, target, k: int = 4):
     """A proposer for ``target`` from a draft file (``EagleProposer`` or ``DraftModelProposer``)."""
-    from models.eagle import EagleModel
+    from specjax.models.eagle import EagleModel
 
     model = load_draft_model(path, target)
     if isinstance(model, EagleModel):

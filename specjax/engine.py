@@ -683,13 +683,13 @@ _ENGINES: dict = {}
 
 
 def make_proposer(draft, k: int, vocab_size: int):
-    """A proposer from a draft model (a ``LlamaLM`` or an EAGLE head, ``models.eagle.EagleModel``),
+    """A proposer from a draft model (a ``LlamaLM`` or an EAGLE head, ``specjax.models.eagle.EagleModel``),
     the string 'lookup' / 'ngram', or a proposer object."""
     if draft is None or (isinstance(draft, str) and draft in ("lookup", "ngram", "prompt-lookup")):
         return PromptLookupProposer(vocab_size=vocab_size, k=k)
     if hasattr(draft, "propose"):
         return draft
-    from models.eagle import EagleModel
+    from specjax.models.eagle import EagleModel
 
     if isinstance(draft, EagleModel):
         from specjax.eagle import EagleProposer

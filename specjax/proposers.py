@@ -138,7 +138,7 @@ class ModelBackedProposer:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModelProposer(ModelBackedProposer):
-    """An autoregressive draft model (any ``models.base.LanguageModel``)."""
+    """An autoregressive draft model (any ``specjax.models.base.LanguageModel``)."""
 
     model: Any
     k: int

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from models.base import KVCache
+from specjax.models.base import KVCache
 
 __all__ = [
     "AXES", "CACHE_NAMES", "LOGITS_NAMES", "MeshConfig", "AxisRules", "ShardingConfig",
@@ -409,8 +409,8 @@ def param_shardings(abstract_state, plan: MeshPlan, role: str = "target"):
 
 
 def abstract_llama(cfg):
-    """(graphdef, abstract state) of ``models.llama.Llama`` without allocating anything."""
-    from models.llama import Llama, random_weights
+    """(graphdef, abstract state) of ``specjax.models.llama.Llama`` without allocating anything."""
+    from specjax.models.llama import Llama, random_weights
 
     module = nnx.eval_shape(lambda: Llama(cfg, random_weights(cfg, 0)))
     return nnx.split(module)
@@ -419,7 +419,7 @@ def abstract_llama(cfg):
 def init_llama(cfg, seed: int, plan: MeshPlan, role: str = "target"):
     """Random weights (``LlamaLM.init``'s law) created directly in their shardings: one
     ``jax.jit`` with ``out_shardings``, no full copy on any device."""
-    from models.llama import Llama, LlamaLM, random_weights
+    from specjax.models.llama import Llama, LlamaLM, random_weights
 
     graphdef, abstract = abstract_llama(cfg)
     shardings = param_shardings(abstract, plan, role)
@@ -450,9 +450,9 @@ def load_llama(cfg, weights: Mapping[str, Any], plan: MeshPlan, role: str = "tar
     """Canonical (numpy) weights -> a ``LlamaLM`` with sharded parameters.
 
     The internal layout is built on the host CPU backend (the model's own constructor, so
-    any layout change in ``models.llama`` follows), then each device receives only its
+    any layout change in ``specjax.models.llama`` follows), then each device receives only its
     shard. Host memory: about one copy of the model."""
-    from models.llama import LlamaLM
+    from specjax.models.llama import LlamaLM
 
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
@@ -483,7 +483,7 @@ class PodConfig:
     """A deployment: target and draft presets, sharding rules, mesh and hardware."""
 
     name: str
-    target: Any  # models.config.ModelPreset
+    target: Any  # specjax.models.config.ModelPreset
     draft: Any  # ModelPreset, or the string "lookup"
     sharding: ShardingConfig
     generate: GenerateSettings
@@ -498,7 +498,7 @@ class PodConfig:
 
 
 def _preset(value, name):
-    from models.config import load_preset, preset_from_dict
+    from specjax.models.config import load_preset, preset_from_dict
 
     if isinstance(value, str):
         return "lookup" if value in ("lookup", "ngram") else load_preset(value)

@@ -13,7 +13,7 @@ its final hidden states (float16 for training; float32 for the held-out split, w
 target law is recomputed from them as ``softmax(h @ head.T)``).
 
 Draft kinds: ``independent`` (a small Llama, own embedding), ``target_init`` (the target's
-first N layers + its embedding / head, frozen or not), ``eagle`` (:mod:`models.eagle`).
+first N layers + its embedding / head, frozen or not), ``eagle`` (:mod:`specjax.models.eagle`).
 Losses (weights in ``train.losses``): ``fkl`` forward KL (cross-entropy to the top-k),
 ``rkl`` reverse KL (the mass outside the top-k spread uniformly), ``tv`` (1 - sum_k
 min(p, q), i.e. 1 - alpha over the top-k), ``hidden`` (smooth-L1 to the target's next hidden
@@ -93,7 +93,7 @@ def _num(v, name, lo=None, hi=None, lo_open=False):
 @dataclasses.dataclass(frozen=True)
 class TargetSpec:
     kind: str = "default"  # default (SmolLM2-135M-Instruct GGUF) | tiny (random tiny Llama)
-    config: Optional[dict] = None  # tiny: models.llama.tiny_config arguments
+    config: Optional[dict] = None  # tiny: specjax.models.llama.tiny_config arguments
     seed: int = 0  # tiny: init seed
     # default: LlamaConfig overrides for the run (e.g. {scan_layers: true}: one compiled layer
     # body, which compiles far faster on an accelerator; same weights, same law)
@@ -104,7 +104,7 @@ class TargetSpec:
         _int(self.seed, "target.seed", 0)
         _check(self.overrides is None or isinstance(self.overrides, dict), "target.overrides must be a mapping")
         if self.overrides:
-            from models.llama import LlamaConfig
+            from specjax.models.llama import LlamaConfig
 
             names = {f.name for f in dataclasses.fields(LlamaConfig)}
             bad = sorted(set(self.overrides) - (names - {"vocab_size", "dim", "n_layers", "n_heads",
@@ -219,7 +219,7 @@ class RunConfig:
 
 def target_vocab(spec: TargetSpec) -> int:
     if spec.kind == "tiny":
-        from models.llama import tiny_config
+        from specjax.models.llama import tiny_config
 
         return tiny_config(**spec.config).vocab_size
     with open(os.path.join(REPO, "configs/models/smollm2-135m.yaml")) as f:
@@ -264,7 +264,7 @@ def load_config(src) -> RunConfig:
     if os.path.abspath(_path(cfg.data.prompts)) == os.path.abspath(_path(cfg.data.heldout)):
         raise ConfigError("data.prompts and data.heldout must be different files")
     if cfg.draft.kind == "independent":
-        from models.llama import LlamaConfig
+        from specjax.models.llama import LlamaConfig
 
         try:
             LlamaConfig(**dict(dc, vocab_size=v))
@@ -283,14 +283,13 @@ def _path(p):
 
 def load_target(spec: TargetSpec):
     """(LlamaLM, tokenizer or None)."""
-    from models.llama import LlamaLM, tiny_config
+    from specjax.models.llama import LlamaLM, tiny_config
 
     if spec.kind == "tiny":
         return LlamaLM.init(tiny_config(**spec.config), seed=spec.seed), None
-    import models
-
-    lm, _ = models.load_default_target(**(spec.overrides or {}))
-    return lm, models.load_default_tokenizer()
+    from specjax import models
+    lm, _ = specjax.models.load_default_target(**(spec.overrides or {}))
+    return lm, specjax.models.load_default_tokenizer()
 
 
 def read_prompts(path, fmt, tok, limit=0):
@@ -334,7 +333,7 @@ def _pad64(n) -> int:
 
 
 def _teacher_fn(target, topk):
-    from models.base import KVCache  # noqa: F401
+    from specjax.models.base import KVCache  # noqa: F401
 
     def f(params, toks):
         b, t = toks.shape
@@ -450,8 +449,8 @@ class Draft:
 def build_draft(cfg: RunConfig, target, train_data) -> Draft:
     from flax import nnx
 
-    from models.eagle import EagleConfig, EagleModel, Frozen, random_trainable
-    from models.llama import LlamaConfig, LlamaLM
+    from specjax.models.eagle import EagleConfig, EagleModel, Frozen, random_trainable
+    from specjax.models.llama import LlamaConfig, LlamaLM
 
     dr = cfg.draft
     tcfg = target.config
@@ -530,7 +529,7 @@ def _forward(draft: Draft, trainable, tokens, hidden, n_steps):
         # re-index so that entry t is the law of s[t+1] (the prediction made at p = t-1)
         out = jnp.concatenate([jnp.zeros_like(out[:, :, :1]), out[:, :, :-1]], axis=2)
         return jax.nn.log_softmax(m.logits(out), axis=-1), out
-    from models.base import KVCache  # noqa: F401
+    from specjax.models.base import KVCache  # noqa: F401
 
     b, t = tokens.shape
     cfg = draft.config

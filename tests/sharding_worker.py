@@ -68,7 +68,7 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from models.llama import LlamaLM, tiny_config
+    from specjax.models.llama import LlamaLM, tiny_config
     from specjax import engine, sampling
     from specjax import sharding as S
     from specjax.proposers import DraftModelProposer

@@ -80,7 +80,7 @@ def test_benchmark_quick_tiny_eagle_draft(tmp_path):
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_common as bc
 
-    from models.eagle import EagleConfig, EagleModel
+    from specjax.models.eagle import EagleConfig, EagleModel
     from specjax.eagle import save_draft
 
     tgt, _, _ = bc.load_target("tiny")
@@ -110,7 +110,7 @@ def test_benchmark_quick_tiny_eagle_draft(tmp_path):
 def test_profile_round_tiny(tmp_path):
     """scripts/profile_round.py splits the traced operations into loop-body and per-call
     ones: the loop runs once per round (speculative) or per token (autoregressive)."""
-    from models import cpu_kernels
+    from specjax.models import cpu_kernels
 
     out = tmp_path / "prof"
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cpu_kernels as ck
-from models.llama import LlamaLM, cached_attention, kernel_attention, tiny_config
+from specjax.models import cpu_kernels as ck
+from specjax.models.llama import LlamaLM, cached_attention, kernel_attention, tiny_config
 
 pytestmark = pytest.mark.skipif(ck._compiler() is None, reason="no C++ compiler to build the kernel")
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.eagle import EagleConfig, EagleModel
-from models.llama import LlamaLM, tiny_config
+from specjax.models.eagle import EagleConfig, EagleModel
+from specjax.models.llama import LlamaLM, tiny_config
 from specjax import engine, sampling
 from specjax.eagle import EagleProposer, load_draft, save_draft
 from tests.engine_law import chi_square, exact_chain_law, histogram

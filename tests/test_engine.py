@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import LlamaLM, tiny_config
+from specjax.models.llama import LlamaLM, tiny_config
 from specjax import engine, sampling
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, process_rows, sample_rows
 from tests.engine_law import chi_square, exact_chain_law, histogram
@@ -236,7 +236,7 @@ def test_row_output_independent_of_batch(target, draft):
 
 _SUBPROCESS = textwrap.dedent("""
     import json
-    from models.llama import LlamaLM, tiny_config
+    from specjax.models.llama import LlamaLM, tiny_config
     from specjax import engine
     t = LlamaLM.init(tiny_config(vocab_size=8, n_layers=2), seed=11)
     d = LlamaLM.init(tiny_config(vocab_size=8, n_layers=1), seed=22)

@@ -12,10 +12,9 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def real():
-    import models
-
-    target, _ = models.load_default_target()
-    tok = models.load_default_tokenizer()
+    from specjax import models
+    target, _ = specjax.models.load_default_target()
+    tok = specjax.models.load_default_tokenizer()
     return target, tok
 
 
@@ -45,7 +44,7 @@ def test_shipped_default_draft_is_the_trained_eagle_head_and_keeps_greedy_exact(
     """`specjax generate`'s default draft for this target: the EAGLE head in models/drafts/
     (a complete training run), greedy-exact, and trained: it gets well over one token per
     round on prompts it was not trained on (an untrained head gets ~1.0)."""
-    from models.eagle import EagleModel
+    from specjax.models.eagle import EagleModel
     from specjax.drafts import default_draft_for, shipped_draft_path
     from specjax.eagle import read_draft
 

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import gguf_loader
-from models.config import list_presets, load_model_config, load_preset, preset_from_dict
-from models.gguf_loader import GGUFError, load_gguf, permute_rope_rows, unpermute_rope_rows
-from models.hf_checkpoint import HFCheckpointError, load_hf, save_hf
-from models.llama import LlamaLM, tiny_config
+from specjax.models import gguf_loader
+from specjax.models.config import list_presets, load_model_config, load_preset, preset_from_dict
+from specjax.models.gguf_loader import GGUFError, load_gguf, permute_rope_rows, unpermute_rope_rows
+from specjax.models.hf_checkpoint import HFCheckpointError, load_hf, save_hf
+from specjax.models.llama import LlamaLM, tiny_config
 
 Q = gguf.GGMLQuantizationType
 
@@ -220,7 +220,7 @@ def test_hf_handwritten_sharded_checkpoint(tmp_path):
 
 
 def test_hf_config_defaults():
-    from models.hf_checkpoint import config_from_hf
+    from specjax.models.hf_checkpoint import config_from_hf
 
     c = config_from_hf({"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 64,
                         "num_hidden_layers": 1, "num_attention_heads": 8, "intermediate_size": 16})
@@ -332,7 +332,7 @@ def test_real_model_answers_and_caches(real):
     """Greedy chat answers are sensible (the RoPE un-permutation is right) and the cached
     decode matches a full forward on the real weights. Shapes (batch 4, prefill bucket 48,
     cache 88, T=1 steps) are those of test_reference, so the compilations are shared."""
-    from models.tokenizer import Tokenizer
+    from specjax.models.tokenizer import Tokenizer
 
     lm, _ = real
     tok = Tokenizer.from_gguf()

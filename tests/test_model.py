@@ -1,12 +1,12 @@
-"""Tiny random Llama models: the KV-cache contract of models.base, scan vs unrolled."""
+"""Tiny random Llama models: the KV-cache contract of specjax.models.base, scan vs unrolled."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from models.base import KVCache, ModelOutput
-from models.llama import LlamaConfig, LlamaLM, RopeScaling, rope_inv_freq, tiny_config
+from specjax.models.base import KVCache, ModelOutput
+from specjax.models.llama import LlamaConfig, LlamaLM, RopeScaling, rope_inv_freq, tiny_config
 
 ATOL = 1e-5
 

@@ -36,7 +36,7 @@ def ref():
 
 @pytest.fixture(scope="module")
 def model():
-    from models import gguf_loader
+    from specjax.models import gguf_loader
 
     try:
         gguf_loader.default_gguf_path()
@@ -49,7 +49,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def tok():
-    from models.tokenizer import Tokenizer
+    from specjax.models.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf()
 

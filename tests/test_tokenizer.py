@@ -1,8 +1,8 @@
 """The SmolLM2 tokenizer rebuilt from GGUF metadata, and the ChatML template."""
 import pytest
 
-from models import gguf_loader
-from models.tokenizer import Tokenizer, TokenizerError
+from specjax.models import gguf_loader
+from specjax.models.tokenizer import Tokenizer, TokenizerError
 
 @pytest.fixture(scope="module")
 def tok():

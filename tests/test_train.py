@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from models.llama import LlamaLM, tiny_config
+from specjax.models.llama import LlamaLM, tiny_config
 from specjax import engine, sampling
 from specjax import training as T
 from specjax.eagle import load_draft
