@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
+from specjax.configs import list_configs, load_config
 from specjax.models.llama import LlamaConfig, LlamaLM
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 FAMILIES = {"llama": LlamaConfig}
 CHECKPOINT_FORMATS = ("gguf", "hf")
 
@@ -66,19 +63,7 @@ class ModelPreset:
 
 
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-def _resolve(name_or_path: str | os.PathLike) -> Path:
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.is_file():
-            raise FileNotFoundError(f"model preset file not found: {p}")
-        return p
-    q = PRESET_DIR / f"{name_or_path}.yaml"
-    if not q.is_file():
-        raise FileNotFoundError(f"unknown model preset {str(name_or_path)!r}; available: {', '.join(list_presets())}")
-    return q
+    return list_configs("models")
 
 
 def preset_from_dict(d: dict, name: str = "<dict>", **overrides: Any) -> ModelPreset:
@@ -108,9 +93,7 @@ def preset_from_dict(d: dict, name: str = "<dict>", **overrides: Any) -> ModelPr
 
 
 def load_preset(name_or_path: str | os.PathLike, **overrides: Any) -> ModelPreset:
-    path = _resolve(name_or_path)
-    with open(path) as f:
-        d = yaml.safe_load(f)
+    d, path = load_config(name_or_path, "models", what="model preset")
     return preset_from_dict(d, name=path.stem, **overrides)
 
 

@@ -1,17 +1,20 @@
 """CPU kernels for XLA's CPU backend, called through the XLA FFI: a small-M float32 matmul
 and a cached attention.
 
-Why it exists (measured with ``scripts/bench_step.py``): XLA CPU runs a one-row matmul
-(a decode step) as a streaming matrix-vector loop at memory bandwidth, but 2..9 rows (a
-speculative verification step) as a packed GEMM that reads the weights much slower, so a
-5-token step of SmolLM2-135M cost ~1.5x a 1-token step although its extra FLOPs are
-small. ``models/kernels/small_matmul.cc`` streams every weight matrix once for any
-``M <= MAX_ROWS`` rows (see the comment at its top), which brings the 5-token step to
-~1.2x of the 1-token step and makes the 1-token step itself no slower.
+Why they exist: XLA CPU runs a one-row matmul (a decode step) as a streaming
+matrix-vector loop at memory bandwidth, but 2..9 rows (a speculative verification step) as a
+packed GEMM that reads the weights more slowly, so a verification step cost markedly more than
+a 1-token step although its extra FLOPs are small. ``models/kernels/small_matmul.cc`` streams
+every weight matrix once for any ``M <= MAX_ROWS`` rows (see the comment at its top), so a
+verification step of a few tokens costs little more than a 1-token step, and the 1-token step
+itself is no slower than with XLA's dot.
 
 ``models/kernels/attention.cc`` does a layer's cached attention (all rows and heads) in
-one call: XLA ran it as a loop of ~15 small ops per chunk of slots whose dispatch cost,
-not FLOPs, made attention ~4.5 ms of a ~25 ms 1-token step at 256 cached slots.
+one call: XLA ran it as a loop of small ops per chunk of cache slots, whose dispatch cost,
+not FLOPs, made attention a sizeable share of a 1-token step.
+
+Measurements (``scripts/bench_step.py`` with and without ``--cpu-kernels xla``, profiles,
+the ``MAX_ROWS`` crossover) are in BENCHMARKS.md; they depend on the machine and go stale.
 
 The kernels are compiled on first use with the system C++ compiler (``$CXX`` or ``g++``,
 ``-O3 -march=native``) against the FFI headers shipped in jaxlib, cached under
@@ -58,7 +61,6 @@ HEADERS = (Path(__file__).resolve().parent / "kernels" / "common.h",)  # part of
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool, "reason": str; once built: "path", "lib" (kept loaded)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +83,7 @@ def _has_f16c() -> bool:
     return "f16c" in flags or "avx512f" in flags
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if c and shutil.which(c):
             return c
@@ -95,7 +97,7 @@ def cache_dir() -> Path:
 def build(force: bool = False) -> Path:
     """Compile the kernels (or find them in the cache) into one shared library; return its
     path. Raises RuntimeError with the compiler's output if they cannot be built."""
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++) to build the CPU kernels")
     for src in (*SOURCES, *HEADERS):
@@ -124,20 +126,25 @@ def build(force: bool = False) -> Path:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _build_and_register() -> tuple:
+    """Build, load and register the kernels once per process (memoized, failures too):
+    ``(ok, reason, library)``; the library stays loaded through the cache."""
+    try:
+        path = build()
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
+        return True, "", lib
+    except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
+        return False, f"{type(e).__name__}: {e}", None
+
+
 def _ensure() -> tuple[bool, str]:
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"], _state["reason"]
-        try:
-            path = build()
-            lib = ctypes.cdll.LoadLibrary(str(path))
-            jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
-            jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
-            jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
-            _state.update(ok=True, reason="", path=str(path), lib=lib)
-        except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
-            _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
-        return _state["ok"], _state["reason"]
+    with _lock:  # one build even when several threads trace at once
+        ok, reason, _lib = _build_and_register()
+    return ok, reason
 
 
 def available() -> tuple[bool, str]:
@@ -173,7 +180,10 @@ def _small_matmul_jvp(primals, tangents):
     return small_matmul(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)
 
 
-_warned = False
+@functools.lru_cache(maxsize=None)
+def _warn_unavailable(reason: str) -> None:
+    """Warn once per reason (memoized) that XLA's ops are used instead of the kernels."""
+    warnings.warn(f"specjax: CPU kernels unavailable, using XLA's ops ({reason})", stacklevel=4)
 
 
 def _check_mode(mode: str) -> None:
@@ -184,7 +194,6 @@ def _check_mode(mode: str) -> None:
 def _usable(mode: str) -> bool:
     """The checks shared by every kernel (after :func:`_check_mode`): the mode, backend,
     device count, mesh and build."""
-    global _warned
     if mode == "xla":
         return False
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
@@ -196,9 +205,7 @@ def _usable(mode: str) -> bool:
     if not ok:
         if mode == "kernel":
             raise RuntimeError(f"LlamaConfig.cpu_kernels='kernel' but the kernels are unavailable: {reason}")
-        if not _warned:
-            _warned = True
-            warnings.warn(f"specjax: CPU kernels unavailable, using XLA's ops ({reason})", stacklevel=3)
+        _warn_unavailable(reason)
         return False
     return True
 

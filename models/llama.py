@@ -679,14 +679,6 @@ class LlamaLM:
     def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
         return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden)
 
-    @property
-    def jit_apply(self):
-        """``jax.jit(self.apply)`` (``return_hidden`` static), built once per model so that
-        callers outside a bigger jit share its compilation cache."""
-        if getattr(self, "_jit_apply", None) is None:
-            self._jit_apply = jax.jit(self.apply, static_argnames=("return_hidden",))
-        return self._jit_apply
-
     def __call__(self, tokens, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
         return self.apply(self.params, tokens, cache, return_hidden)
 

@@ -128,6 +128,10 @@ class Tokenizer:
         return self.hf.token_to_id(t)
 
     # -- chat ---------------------------------------------------------------------------
+    def encode_user(self, text: str) -> list:
+        """Token ids of one user message in the chat template, ready for the reply."""
+        return self.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False):
         """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, with the

@@ -56,9 +56,9 @@ def main(argv=None):
                                 scan_layers=args.scan_layers)
         lm = LlamaLM.init(cfg, 0)
     else:
-        from specjax.models.gguf_loader import load_gguf
+        from specjax.build import load_target
 
-        lm, _ = load_gguf(args.gguf, dtype=args.dtype, param_dtype=args.dtype, scan_layers=args.scan_layers)
+        lm, _, _ = load_target(args.gguf or "default", args.dtype, args.dtype, args.scan_layers)
     if args.attn_chunk is not None:
         lm = lm.with_config(attn_chunk=args.attn_chunk)
     lm = lm.with_config(cpu_kernels=args.cpu_kernels)

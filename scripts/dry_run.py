@@ -20,15 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-POD_DIR = ROOT / "configs" / "pods"
-
-
-def _pod_path(name: str) -> Path:
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        return p
-    return POD_DIR / f"{name}.yaml"
 
 
 def _parser():
@@ -85,17 +76,14 @@ def _cpu_upcast_bytes(hlo_text: str, param_trees) -> int:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
-    path = _pod_path(a.pod)
-    import yaml  # no jax yet: the device count must be fixed before jax starts
+    from specjax.configs import load_config  # imports no jax: the device count must be fixed first
 
-    with open(path) as f:
-        raw = yaml.safe_load(f)
+    raw, path = load_config(a.pod, "pods", what="pod config")
     n_dev = a.devices or int((raw.get("hardware") or {}).get("devices", 8))
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(ROOT))
 
     import dataclasses
 
@@ -103,14 +91,14 @@ def main(argv=None) -> int:
     import numpy as np
 
     from specjax.models.llama import LlamaLM
-    from specjax import engine, sampling
+    from specjax import build, engine, sampling
     from specjax import sharding as S
-    from specjax.proposers import DraftModelProposer, PromptLookupProposer
+    from specjax.drafts import DraftModelProposer, PromptLookupProposer
 
     if len(jax.devices()) < n_dev:
         raise SystemExit(f"jax sees {len(jax.devices())} devices, wanted {n_dev} (was jax imported "
                          "before XLA_FLAGS was set?)")
-    pod = S.load_pod_config(path)
+    pod = build.load_pod_config(path)
     g = pod.generate
     g = dataclasses.replace(g, **{k: v for k, v in dict(
         batch=a.batch, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens, k=a.k,
@@ -120,7 +108,7 @@ def main(argv=None) -> int:
     t0 = time.time()
 
     def abstract(preset, role):
-        graphdef, state = S.abstract_llama(preset.config)
+        graphdef, state = build.abstract_model(preset.config)
         shardings = S.param_shardings(state, plan, role)
         state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                              state, shardings)
@@ -134,16 +122,15 @@ def main(argv=None) -> int:
         proposer = DraftModelProposer(draft, g.k)
     t_abstract = time.time() - t0
 
-    eng = engine.SpeculativeEngine(target, proposer, g.k, g.method, sharding=plan)
+    eng = engine.SpeculativeEngine(target, proposer, g.method, sharding=plan)
     prompts = np.ones((g.batch, g.prompt_len), np.int32)
     sp = sampling.SamplingConfig(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
     t0 = time.time()
     lowered = eng.lower(prompts, seed=0, sampling_params=sp, max_new_tokens=g.max_new_tokens)
     t_lower = time.time() - t0
-    # the buffers the engine sizes (same rule as SpeculativeEngine._prepare)
+    # the buffers the engine sizes
     b_pad = -(-g.batch // plan.data_size) * plan.data_size
-    out_cap = engine.bucket(g.max_new_tokens, 32)
-    cache_len = -(-(engine.bucket(g.prompt_len) + out_cap + g.k + 1) // 16) * 16
+    cache_len = engine.cache_len_for(g.prompt_len, g.max_new_tokens, g.k)
 
     mem = {
         "target_params": S.tree_bytes_per_device(target.params),

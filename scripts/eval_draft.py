@@ -15,26 +15,26 @@ import numpy as np
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("draft")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=None, help="draft tokens per round (default: specjax.build.DEFAULT_K)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--file", default="configs/train/prompts_heldout.txt")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=0, help="0: all prompts in one batch")
     ap.add_argument("--no-timing", action="store_true")
     a = ap.parse_args(argv)
-    from specjax import models
-    from specjax import engine, sampling
-    from specjax.eagle import load_draft
+    from specjax import build, engine, sampling
+    from specjax.drafts import make_proposer
 
-    target, _ = specjax.models.load_default_target()
-    tok = specjax.models.load_default_tokenizer()
+    target, tok, _ = build.load_target("default")
+    if a.k is None:
+        a.k = build.DEFAULT_K
     lines = [ln.strip() for ln in open(a.file) if ln.strip()][: a.prompts]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": ln}], tokenize=True) for ln in lines]
-    prop = load_draft(a.draft, target, k=a.k)
+    prompts = [tok.encode_user(ln) for ln in lines]
+    prop = make_proposer(build.resolve_draft(a.draft, target)[0], a.k, target.vocab_size)
     res = {}
     for name, temp, method in (("t1", 1.0, "token"), ("t0", 0.0, "greedy")):
         sp = sampling.SamplingConfig(temperature=temp)
-        eng = engine.SpeculativeEngine(target, prop, a.k, method)
+        eng = engine.SpeculativeEngine(target, prop, method)
         kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.max_new_tokens, stop_tokens=list(tok.stop_ids))
         eng.generate(prompts[:1], **dict(kw, max_new_tokens=4))
         t0 = time.time()
@@ -50,9 +50,9 @@ def main(argv=None):
                  mean_alpha=round(float(alpha), 3), tokens_per_round=round(emitted / rounds, 3),
                  emitted=emitted, spec_seconds=round(t_sp, 2))
         if not a.no_timing:
-            engine.generate_autoregressive(target, prompts[:1], greedy=temp == 0, **dict(kw, max_new_tokens=4))
+            build.generate_autoregressive(target, prompts[:1], greedy=temp == 0, **dict(kw, max_new_tokens=4))
             t0 = time.time()
-            ar = engine.generate_autoregressive(target, prompts, greedy=temp == 0, **kw)
+            ar = build.generate_autoregressive(target, prompts, greedy=temp == 0, **kw)
             r["ar_seconds"] = round(time.time() - t0, 2)
             r["ar_emitted"] = sum(len(t) for t in ar.tokens)
             if temp == 0:

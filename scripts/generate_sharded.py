@@ -11,8 +11,8 @@
   ``jax.distributed.initialize()`` first; on Cloud TPU it needs no arguments.
 * Every host reads the same checkpoint (HF folder on shared storage) and the same prompts
   file, and fills only its own devices: parameters with ``jax.make_array_from_callback``
-  per shard (``specjax.sharding.load_llama``), prompts/keys/settings with ``plan.put``.
-  Random weights are created directly in their shardings (``init_llama``).
+  per shard (``specjax.build.place_model``), prompts/keys/settings with ``plan.put``.
+  Random weights are created directly in their shardings (``specjax.build.init_model``).
 * Only process 0 prints. Outputs are replicated, so every host could read them.
 
 Prompts: a JSON-lines file, one list of token ids per line (or ``{"tokens": [...]}``);
@@ -79,10 +79,10 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from specjax import engine, sampling
-    from specjax.proposers import DraftModelProposer, PromptLookupProposer
+    from specjax import build, engine, sampling
+    from specjax.drafts import DraftModelProposer, PromptLookupProposer
 
-    pod = S.load_pod_config(a.pod)
+    pod = build.load_pod_config(a.pod)
     g = dataclasses.replace(pod.generate, **{k: v for k, v in dict(
         batch=a.batch, prompt_len=a.prompt_len, max_new_tokens=a.max_new_tokens, k=a.k,
         method=a.method, temperature=a.temperature).items() if v is not None})
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     S.log(f"[specjax] {jax.process_count()} process(es), {n} devices ({jax.devices()[0].device_kind}); "
           f"mesh data={plan.data_size} x model={plan.model_size}; pod {pod.name}")
 
-    def build(preset, role, ckpt):
+    def make_model(preset, role, ckpt):
         t0 = time.time()
         if ckpt and not a.random_weights:
             from specjax.models.hf_checkpoint import load_hf
@@ -101,19 +101,19 @@ def main(argv=None) -> int:
                            scan_layers=preset.config.scan_layers)
             with jax.default_device(jax.devices("cpu")[0]):  # host memory, not device 0
                 host = load_hf(ckpt, **runtime)
-            lm = S.place_model(host, plan, role)
+            lm = build.place_model(host, plan, role)
             del host
         else:
-            lm = S.init_llama(preset.config, seed=1 if role == "target" else 2, plan=plan, role=role)
+            lm = build.init_model(preset.config, seed=1 if role == "target" else 2, plan=plan, role=role)
         S.log(f"[specjax] {role}: {preset.config.num_params() / 1e9:.2f} B params placed in "
               f"{time.time() - t0:.1f}s; {S.tree_bytes_per_device(lm.params) / 2 ** 30:.2f} GiB per device")
         return lm
 
-    target = build(pod.target, "target", a.target_ckpt or pod.checkpoint("target"))
+    target = make_model(pod.target, "target", a.target_ckpt or pod.checkpoint("target"))
     if pod.draft == "lookup":
         proposer = PromptLookupProposer(vocab_size=target.vocab_size, k=g.k)
     else:
-        draft = build(pod.draft, "draft", a.draft_ckpt or pod.checkpoint("draft"))
+        draft = make_model(pod.draft, "draft", a.draft_ckpt or pod.checkpoint("draft"))
         proposer = DraftModelProposer(draft, g.k)
 
     if a.prompts_file:
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         prompts = rng.integers(0, target.vocab_size, (g.batch, g.prompt_len)).tolist()
     sp = sampling.SamplingConfig(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
 
-    eng = engine.SpeculativeEngine(target, proposer, g.k, g.method, sharding=plan)
+    eng = engine.SpeculativeEngine(target, proposer, g.method, sharding=plan)
     t0 = time.time()
     out = eng.generate(prompts, seed=a.seed, sampling_params=sp, max_new_tokens=g.max_new_tokens)
     t_first = time.time() - t0

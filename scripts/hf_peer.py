@@ -22,9 +22,10 @@ rotate-half layout; the forward pass (``LlamaForCausalLM``) is HF's own code.
 GGUF tensors bit for bit, i.e. the only thing this peer shares with specjax's loader is the
 dequantization by the ``gguf`` package.
 
-Library use (``scripts/`` is not a package; add it to ``sys.path``)::
+Library use: ``from scripts import hf_peer`` with the checkout's root on ``sys.path`` (as
+``scripts/bench/peer.py`` does), or ``import hf_peer`` with ``scripts/`` on it::
 
-    import hf_peer
+    from scripts import hf_peer
     model = hf_peer.load_hf_model("float32")
     ids = hf_peer.default_prompt_ids()
     r = hf_peer.hf_greedy_decode_tokens_per_s(ids, new_tokens=128, dtype="float32", repeats=3)

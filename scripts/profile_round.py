@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from scripts.bench_common import BenchConfig, build_prompts, load_target, resolve_draft  # noqa: E402
+from scripts.bench.config import BenchConfig, build_prompts  # noqa: E402
+from specjax.build import generate_autoregressive, load_target, make_engine, resolve_draft  # noqa: E402
 
 # events inside the executor that are not the work of one operation (nested executors,
 # thread-pool waits, end markers of asynchronous custom calls)
@@ -142,7 +143,6 @@ def main(argv=None) -> dict:
     if a.k < 1 or a.prompts < 1 or a.tokens < 2:
         ap.error("--k and --prompts must be >= 1 and --tokens >= 2")
 
-    from specjax import engine as E
     from specjax import sampling
 
     target, tok, _ = load_target(a.model)
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     cfg = BenchConfig(num_prompts=a.prompts)
     _, ids = build_prompts(cfg, tok, target.vocab_size)
     sp = sampling.SamplingParams.create(1, temperature=a.temperature)
-    eng = E.get_engine(target, draft, a.k, a.method)
+    eng = make_engine(target, draft, a.k, a.method)
     rounds = []
 
     def spec(i):
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
         rounds.append(out.stats[0].rounds)
 
     def ar(i):
-        E.generate_autoregressive(target, [ids[i]], seed=i, sampling_params=sp, max_new_tokens=a.tokens)
+        generate_autoregressive(target, [ids[i]], seed=i, sampling_params=sp, max_new_tokens=a.tokens)
 
     t0 = time.time()
     for i in range(a.prompts):  # compile (every prompt bucket) and warm up

@@ -1,6 +1,6 @@
 """Train a draft for a target: ``python scripts/train_draft.py configs/train/eagle_smollm2.yaml``.
 
-See :mod:`specjax.training` for the data, losses, checkpoints and metrics. Options:
+See :mod:`specjax.train.distill` for the data, losses, checkpoints and metrics. Options:
 ``--steps N`` / ``--out-dir DIR`` override the config; ``--time-budget S`` sets the step
 count to what fits in S seconds (measured on this run's own steps; rerun with ``--steps N``); ``--stop-after N`` ends after N steps
 without a final checkpoint (what a kill looks like; rerun to resume); ``--data-only``
@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from specjax import training as T
+    from specjax.train import distill as T
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")

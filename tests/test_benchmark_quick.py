@@ -74,21 +74,38 @@ def test_benchmark_quick_tiny(tmp_path):
     assert res["peer"]["available"] is False and res["peer"]["reason"]
 
 
+def test_bench_configs_load(tmp_path):
+    """Every configs/bench/*.yaml loads into a BenchConfig (through specjax.configs), named
+    after its file; overrides replace fields (None: kept); unknown keys are refused."""
+    from scripts.bench.config import load_bench_config
+    from specjax.configs import list_configs
+
+    names = list_configs("bench")
+    assert {"default", "quick", "tiny"} <= set(names)
+    for name in names:
+        cfg = load_bench_config(name)
+        assert cfg.name == name and all(cfg.rows_for(b) % b == 0 for b in cfg.batch_sizes)
+    cfg = load_bench_config("quick", model="tiny", ks=None, max_new_tokens=8)
+    assert (cfg.model, cfg.ks, cfg.max_new_tokens) == ("tiny", (2, 4), 8)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny\nkays: [2]\n")
+    with pytest.raises(ValueError, match="kays"):
+        load_bench_config(str(bad))
+
+
 def test_benchmark_quick_tiny_eagle_draft(tmp_path):
     """A trained-draft file (.npz, an EAGLE head) runs through the benchmark: its cost is timed
     through its propose step and it is measured like any other draft."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_common as bc
-
+    from specjax.build import load_target, resolve_draft
+    from specjax.drafts.files import save_draft
     from specjax.models.eagle import EagleConfig, EagleModel
-    from specjax.eagle import save_draft
 
-    tgt, _, _ = bc.load_target("tiny")
+    tgt, _, _ = load_target("tiny")
     cfg = EagleConfig.for_target(tgt.config, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64)
     em = EagleModel.for_target(tgt, cfg, seed=3)
     path = tmp_path / "eagle.npz"
     save_draft(str(path), "eagle", em.config.to_dict(), em.trainable_weights())
-    draft, desc = bc.resolve_draft(str(path), tgt)
+    draft, desc = resolve_draft(str(path), tgt)
     assert isinstance(draft, EagleModel) and desc["kind"] == "eagle"
 
     out = tmp_path / "bench"

@@ -11,7 +11,7 @@ import pytest
 from specjax.models import cpu_kernels as ck
 from specjax.models.llama import LlamaLM, cached_attention, kernel_attention, tiny_config
 
-pytestmark = pytest.mark.skipif(ck._compiler() is None, reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(ck.compiler() is None, reason="no C++ compiler to build the kernel")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,11 +112,11 @@ def test_choice_only_where_it_applies():
 
 
 def test_kernel_mode_fails_loudly_when_unavailable(monkeypatch):
-    monkeypatch.setattr(ck, "_state", {"ok": False, "reason": "simulated build failure"})
+    monkeypatch.setattr(ck, "_ensure", lambda: (False, "simulated build failure"))
     f32 = lambda *s: jnp.zeros(s, jnp.float32)
     with pytest.raises(RuntimeError, match="simulated build failure"):
         ck.use_small_matmul("kernel", f32(5, 64), f32(64, 128))
-    monkeypatch.setattr(ck, "_warned", False)
+    ck._warn_unavailable.cache_clear()  # the warning is given once per reason
     with pytest.warns(UserWarning, match="simulated build failure"):
         assert not ck.use_small_matmul("auto", f32(5, 64), f32(64, 128))
 
@@ -169,7 +169,7 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
 def test_engine_rows_do_not_depend_on_the_batch_with_the_kernel():
     """The row-independence test of test_engine.py, on a model whose matmuls go through
     the kernel (the tiny engine-test models are too narrow for it)."""
-    from specjax import engine, sampling
+    from specjax import build, engine, sampling
 
     def mk(seed, layers):
         return LlamaLM.init(tiny_config(vocab_size=128, n_layers=layers, dim=64, n_heads=4, n_kv_heads=2,
@@ -178,12 +178,12 @@ def test_engine_rows_do_not_depend_on_the_batch_with_the_kernel():
     target, draft = mk(11, 2), mk(22, 1)
     cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 1.0], top_p=[1.0, 0.9, 1.0])
     prompts = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1], [2, 2]]
-    batch = engine.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
+    batch = build.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
                             sampling_params=cfg, max_new_tokens=20)
     for i in range(3):
         one = sampling.SamplingParams.create(1, temperature=[float(cfg.temperature[i])],
                                              top_p=[float(cfg.top_p[i])])
-        alone = engine.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
+        alone = build.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
                                 sampling_params=one, max_new_tokens=20)
         assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
 

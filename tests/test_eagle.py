@@ -12,9 +12,11 @@ import pytest
 
 from specjax.models.eagle import EagleConfig, EagleModel
 from specjax.models.llama import LlamaLM, tiny_config
-from specjax import engine, sampling
-from specjax.eagle import EagleProposer, load_draft, save_draft
-from tests.engine_law import chi_square, exact_chain_law, histogram
+from specjax import build, engine, sampling
+from specjax.drafts import EagleProposer, make_proposer
+from specjax.drafts.files import load_draft_model, save_draft
+from specjax.audit import chi_square_test
+from tests.engine_law import exact_chain_law, histogram
 
 ALPHA_SIG = 1e-3
 
@@ -53,8 +55,8 @@ def test_eagle_greedy_equals_autoregressive(k, method, subset):
     em = _head(tgt, vocab_subset=subset)
     prompts = [[3, 9, 27, 17], [5, 1], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6]]
     cfg = sampling.SamplingConfig(temperature=0.0)
-    ar = engine.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=40)
-    sp = engine.generate(tgt, EagleProposer(em, k), prompts, k=k, method=method, seed=0,
+    ar = build.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=40)
+    sp = build.generate(tgt, EagleProposer(em, k), prompts, k=k, method=method, seed=0,
                          sampling_params=cfg, max_new_tokens=40)
     assert sp.tokens == ar.tokens
     assert all(s.drafted == k * s.rounds for s in sp.stats)
@@ -73,7 +75,7 @@ def test_eagle_engine_law():
     k, n, rows, chunk = 2, 4, 100_000, 25_000
     cfg = sampling.SamplingConfig(temperature=1.0)
     law = exact_chain_law(tgt, PROMPT, n, cfg)
-    eng = engine.SpeculativeEngine(tgt, EagleProposer(em, k), k, "token")
+    eng = engine.SpeculativeEngine(tgt, EagleProposer(em, k), "token")
     hist = np.zeros(V ** n, np.int64)
     acc = 0
     for start in range(0, rows, chunk):
@@ -82,8 +84,8 @@ def test_eagle_engine_law():
         hist += histogram(out.tokens, V, n)
         acc += sum(s.accepted for s in out.stats)
     assert acc > 0
-    pval, stat = chi_square(hist, law)
-    assert pval > ALPHA_SIG, f"chi-square {stat:.1f}, p={pval:.2e}"
+    chi = chi_square_test(hist, law)
+    assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
 def test_draft_file_roundtrip(tmp_path):
@@ -92,17 +94,17 @@ def test_draft_file_roundtrip(tmp_path):
     path = str(tmp_path / "d.npz")
     w = dict(em.trainable_weights(), token_map=em.token_map())
     save_draft(path, "eagle", em.config.to_dict(), w)
-    prop = load_draft(path, tgt, k=3)
+    prop = make_proposer(load_draft_model(path, tgt), 3, tgt.vocab_size)
     assert isinstance(prop, EagleProposer)
     for a, b in zip(jax.tree.leaves(prop.model.params), jax.tree.leaves(em.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     other = LlamaLM.init(tiny_config(vocab_size=65, n_layers=2, dim=32), seed=5)
     with pytest.raises(ValueError, match="does not fit"):
-        load_draft(path, other)
+        load_draft_model(path, other)
 
 
 def test_default_draft_is_lookup_for_other_targets():
-    from specjax.drafts import default_draft_for, shipped_draft_path
+    from specjax.drafts.files import default_draft_for, shipped_draft_path
 
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     assert shipped_draft_path(tgt) is None

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from specjax.models.llama import LlamaLM, tiny_config
-from specjax import engine, sampling
-from specjax.proposers import DraftModelProposer, PromptLookupProposer, process_rows, sample_rows
-from tests.engine_law import chi_square, exact_chain_law, histogram
+from specjax import build, engine, sampling
+from specjax.drafts import DraftModelProposer, PromptLookupProposer
+from specjax.sampling import process_rows, sample_rows
+from specjax.audit import chi_square_test
+from tests.engine_law import exact_chain_law, histogram
 
 V = 8
 ROWS = 100_000
@@ -65,21 +67,21 @@ def test_engine_law_matches_target_chain(target, draft, method, case):
     cfg = CASES[case]
     law = exact_chain_law(target, PROMPT, n, cfg)
     assert abs(law.sum() - 1) < 1e-5
-    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, k), k, method)
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, k), method)
     hist = _engine_hist(eng, cfg, n)
-    pval, stat = chi_square(hist, law)
-    assert pval > ALPHA_SIG, f"{method}/{case}: chi-square {stat:.1f}, p={pval:.2e}"
+    chi = chi_square_test(hist, law)
+    assert chi.p_value > ALPHA_SIG, f"{method}/{case}: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
 class _OffByOneRollback(engine.SpeculativeEngine):
     @staticmethod
-    def _target_cache_lengths(seq_len):
+    def target_cache_lengths(seq_len):
         return seq_len  # keeps a stale slot: the target reads a KV entry it should not
 
 
 class _StalePenaltyCounts(engine.SpeculativeEngine):
     @staticmethod
-    def _position_counts(counts, x, nd):
+    def position_counts(counts, x, nd):
         # every scored position sees only the committed tokens, not the drafts before it
         return jnp.broadcast_to(counts[:, None, :], (x.shape[0], x.shape[1] + 1, counts.shape[-1]))
 
@@ -87,7 +89,7 @@ class _StalePenaltyCounts(engine.SpeculativeEngine):
 class _DraftWithOtherSettings(DraftModelProposer):
     """Samples draft tokens at a different temperature than the q it reports."""
 
-    def _draw(self, keys, logits, counts, ctx):
+    def draw(self, keys, logits, counts, ctx):
         lp = process_rows(logits, ctx.params, counts, ctx.use_penalties)
         hot = ctx.params.replace(temperature=ctx.params.temperature * 2.0)
         x = sample_rows(keys, process_rows(logits, hot, counts, ctx.use_penalties))
@@ -101,24 +103,24 @@ def test_engine_mutants_fail_the_law_test(target, draft, mutant):
     cfg = CASES["penalties" if mutant == "stale_penalty_counts" else "t1"]
     law = exact_chain_law(target, PROMPT, n, cfg)
     if mutant == "rollback_off_by_one":
-        eng = _OffByOneRollback(target, DraftModelProposer(draft, k), k, "token")
+        eng = _OffByOneRollback(target, DraftModelProposer(draft, k), "token")
     elif mutant == "stale_penalty_counts":
-        eng = _StalePenaltyCounts(target, DraftModelProposer(draft, k), k, "token")
+        eng = _StalePenaltyCounts(target, DraftModelProposer(draft, k), "token")
     else:
-        eng = engine.SpeculativeEngine(target, _DraftWithOtherSettings(draft, k), k, "token")
+        eng = engine.SpeculativeEngine(target, _DraftWithOtherSettings(draft, k), "token")
     hist = _engine_hist(eng, cfg, n)
-    pval, stat = chi_square(hist, law)
-    assert pval < 1e-6, f"mutant {mutant} passed the law test (p={pval:.3g}); the test has no power"
+    chi = chi_square_test(hist, law)
+    assert chi.p_value < 1e-6, f"mutant {mutant} passed the law test (p={chi.p_value:.3g}); the test has no power"
 
 
 def test_autoregressive_law_matches(target):
     n = 3
     cfg = CASES["combined"]
     law = exact_chain_law(target, PROMPT, n, cfg)
-    out = engine.generate_autoregressive(target, [PROMPT] * 50_000, seed=3, sampling_params=cfg,
+    out = build.generate_autoregressive(target, [PROMPT] * 50_000, seed=3, sampling_params=cfg,
                                          max_new_tokens=n)
-    pval, stat = chi_square(histogram(out.tokens, V, n), law)
-    assert pval > ALPHA_SIG, f"p={pval:.2e}"
+    chi = chi_square_test(histogram(out.tokens, V, n), law)
+    assert chi.p_value > ALPHA_SIG, f"p={chi.p_value:.2e}"
 
 
 # ---------------------------------------------------------------------------- greedy
@@ -130,8 +132,8 @@ def test_speculative_greedy_equals_autoregressive_greedy(k, method):
     dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6)
     prompts = [[3, 9, 27, 17], [5, 1], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6]]
     cfg = sampling.SamplingConfig(temperature=0.0)
-    ar = engine.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=40)
-    sp = engine.generate(tgt, dft, prompts, k=k, method=method, seed=0, sampling_params=cfg,
+    ar = build.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=40)
+    sp = build.generate(tgt, dft, prompts, k=k, method=method, seed=0, sampling_params=cfg,
                          max_new_tokens=40)
     assert sp.tokens == ar.tokens
     assert all(len(t) == 40 for t in sp.tokens)
@@ -141,8 +143,8 @@ def test_prompt_lookup_greedy_equals_autoregressive():
     tgt = LlamaLM.init(tiny_config(vocab_size=16, n_layers=1), seed=7)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
     cfg = sampling.SamplingConfig(temperature=0.0)
-    ar = engine.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=30)
-    sp = engine.generate(tgt, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
+    ar = build.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=30)
+    sp = build.generate(tgt, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
                          max_new_tokens=30)
     assert sp.tokens == ar.tokens
     # greedy text from a small model repeats: lookup must have drafted and been accepted
@@ -155,10 +157,10 @@ def test_prompt_lookup_law(target):
     k, n = 3, 4
     cfg = CASES["t1"]
     law = exact_chain_law(target, PROMPT, n, cfg)
-    eng = engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=V, k=k), k, "token")
+    eng = engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=V, k=k), "token")
     hist = _engine_hist(eng, cfg, n, rows=50_000)
-    pval, stat = chi_square(hist, law)
-    assert pval > ALPHA_SIG, f"p={pval:.2e}"
+    chi = chi_square_test(hist, law)
+    assert chi.p_value > ALPHA_SIG, f"p={chi.p_value:.2e}"
 
 
 # ----------------------------------------------------------------- stop rules, stats
@@ -167,9 +169,9 @@ def test_prompt_lookup_law(target):
 def test_stop_tokens_and_max_new_tokens_cut_exactly(target, draft):
     prompts = [[1, 2, 3], [4, 4, 4, 4, 4], [7, 6]]
     cfg = sampling.SamplingConfig(temperature=1.0)
-    full = engine.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30)
+    full = build.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30)
     stop = full.tokens[0][5]
-    cut = engine.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30,
+    cut = build.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30,
                           stop_tokens=[stop])
     for f, c, s in zip(full.tokens, cut.tokens, cut.finished_by_stop):
         if stop in f:
@@ -177,7 +179,7 @@ def test_stop_tokens_and_max_new_tokens_cut_exactly(target, draft):
             assert c == f[: i + 1] and s
         else:
             assert c == f and not s
-    per_row = engine.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg,
+    per_row = build.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg,
                               max_new_tokens=[7, 1, 13])
     assert [len(t) for t in per_row.tokens] == [7, 1, 13]
     for f, c in zip(full.tokens, per_row.tokens):
@@ -185,7 +187,7 @@ def test_stop_tokens_and_max_new_tokens_cut_exactly(target, draft):
 
 
 def test_statistics_are_consistent(target, draft):
-    out = engine.generate(target, draft, [[1, 2, 3]] * 4, k=3, seed=0, max_new_tokens=20)
+    out = build.generate(target, draft, [[1, 2, 3]] * 4, k=3, seed=0, max_new_tokens=20)
     for s, t in zip(out.stats, out.tokens):
         assert s.emitted == len(t) == 20
         assert 0 <= s.accepted <= s.drafted == 3 * s.rounds
@@ -202,7 +204,7 @@ def test_always_drafts_changes_speed_only(target, draft):
     outs, cases = [], []
     for flag in (True, False):
         prop = dataclasses.replace(DraftModelProposer(draft, 3), always_drafts=flag)
-        eng = engine.SpeculativeEngine(target, prop, 3, "token")
+        eng = engine.SpeculativeEngine(target, prop, "token")
         outs.append(eng.generate([[1, 2, 3], [4, 5], [6, 6, 6, 1]], seed=5, sampling_params=cfg,
                                  max_new_tokens=17))
         cases.append(eng.lower([[1, 2, 3]], seed=5, max_new_tokens=17).as_text().count("stablehlo.case"))
@@ -217,19 +219,19 @@ def test_always_drafts_changes_speed_only(target, draft):
 def test_row_output_independent_of_batch(target, draft):
     cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0])
     prompts = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1], [2, 2]]
-    batch = engine.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
+    batch = build.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
                             sampling_params=cfg, max_new_tokens=25)
     for i in range(3):
         one = sampling.SamplingParams.create(
             1, temperature=[float(cfg.temperature[i])], top_p=[float(cfg.top_p[i])])
-        alone = engine.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
+        alone = build.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
                                 sampling_params=one, max_new_tokens=25)
         assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
     # the same rows in another order
     perm = [2, 0, 1]
     cfgp = sampling.SamplingParams.create(3, temperature=[float(cfg.temperature[j]) for j in perm],
                                           top_p=[float(cfg.top_p[j]) for j in perm])
-    shuffled = engine.generate(target, draft, [prompts[j] for j in perm], k=3, seed=42,
+    shuffled = build.generate(target, draft, [prompts[j] for j in perm], k=3, seed=42,
                                row_indices=[10 + j for j in perm], sampling_params=cfgp, max_new_tokens=25)
     assert [shuffled.tokens[perm.index(i)] for i in range(3)] == batch.tokens
 
@@ -237,18 +239,18 @@ def test_row_output_independent_of_batch(target, draft):
 _SUBPROCESS = textwrap.dedent("""
     import json
     from specjax.models.llama import LlamaLM, tiny_config
-    from specjax import engine
+    from specjax import build
     t = LlamaLM.init(tiny_config(vocab_size=8, n_layers=2), seed=11)
     d = LlamaLM.init(tiny_config(vocab_size=8, n_layers=1), seed=22)
-    out = engine.generate(t, d, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9, max_new_tokens=20)
+    out = build.generate(t, d, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9, max_new_tokens=20)
     print(json.dumps(out.tokens))
 """)
 
 
 def test_same_key_same_output_across_processes(target, draft):
-    here = engine.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
+    here = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
                            max_new_tokens=20)
-    again = engine.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
+    again = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
                             max_new_tokens=20)
     assert here.tokens == again.tokens
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,13 +258,13 @@ def test_same_key_same_output_across_processes(target, draft):
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == here.tokens
-    other = engine.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=10,
+    other = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=10,
                             max_new_tokens=20)
     assert other.tokens != here.tokens
 
 
 def test_no_recompilation_for_new_values(target, draft):
-    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), 3, "token")
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
     eng.generate([[1, 2, 3], [4, 5, 6, 7]], seed=0, max_new_tokens=20)
     assert eng.trace_count == 1
     eng.generate([[7, 7, 1], [0, 1]], seed=5, max_new_tokens=17,
@@ -283,7 +285,7 @@ def test_no_recompilation_for_new_values(target, draft):
 
 
 def test_bad_input_is_rejected_before_work(target, draft):
-    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), 2, "token")
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), "token")
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[]], seed=0)
     with pytest.raises(ValueError, match="outside"):
@@ -297,12 +299,12 @@ def test_bad_input_is_rejected_before_work(target, draft):
     with pytest.raises(ValueError):
         eng.generate([[1, 2]], seed=0, sampling_params={"temperature": -1.0})
     with pytest.raises(ValueError, match="K must be"):
-        engine.generate(target, draft, [[1, 2]], k=0, seed=0)
+        build.generate(target, draft, [[1, 2]], k=0, seed=0)
     with pytest.raises(ValueError, match="method"):
-        engine.generate(target, draft, [[1, 2]], k=2, method="typical", seed=0)
+        build.generate(target, draft, [[1, 2]], k=2, method="typical", seed=0)
     other = LlamaLM.init(tiny_config(vocab_size=V + 1), seed=0)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
-        engine.generate(target, other, [[1, 2]], k=2, seed=0)
+        build.generate(target, other, [[1, 2]], k=2, seed=0)
     assert eng.trace_count == 0
 
 
@@ -312,9 +314,9 @@ def test_nan_logits_raise_not_sample(draft):
     w["final_norm"] = w["final_norm"] * np.nan
     bad = LlamaLM.from_weights(good.config, w)
     with pytest.raises(FloatingPointError):
-        engine.generate(bad, draft, [[1, 2, 3]], k=2, seed=0, max_new_tokens=5)
+        build.generate(bad, draft, [[1, 2, 3]], k=2, seed=0, max_new_tokens=5)
     with pytest.raises(FloatingPointError):
-        engine.generate_autoregressive(bad, [[1, 2, 3]], seed=0, max_new_tokens=5)
+        build.generate_autoregressive(bad, [[1, 2, 3]], seed=0, max_new_tokens=5)
 
 
 # ------------------------------------------- feature-based proposers (EAGLE-style hook)
@@ -322,7 +324,7 @@ def test_nan_logits_raise_not_sample(draft):
 import dataclasses as _dc
 from typing import Any as _Any
 
-from specjax.proposers import Proposal
+from specjax.drafts import Proposal
 
 
 @_dc.dataclass(frozen=True, eq=False)
@@ -337,6 +339,7 @@ class _HiddenReadoutProposer:
     k: int
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
+    always_drafts: bool = True
     params: _Any = None
 
     def _readout(self, h):
@@ -367,10 +370,10 @@ def test_feature_proposer_gets_the_right_hidden_states():
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     embed = jnp.asarray(tgt.canonical_weights()["embed"])
     prop = _HiddenReadoutProposer(embed=embed, vocab_size=64, k=3)
-    eng = engine.SpeculativeEngine(tgt, prop, 3, "greedy")
+    eng = engine.SpeculativeEngine(tgt, prop, "greedy")
     prompts = [[3, 9, 27, 17], [5, 1]]
     out = eng.generate(prompts, seed=0, max_new_tokens=30)
-    ar = engine.generate_autoregressive(tgt, prompts, seed=0, max_new_tokens=30, greedy=True)
+    ar = build.generate_autoregressive(tgt, prompts, seed=0, max_new_tokens=30, greedy=True)
     assert out.tokens == ar.tokens
     st = out.raw["proposer_state"]
     assert np.all(np.asarray(st["checks"]) > 0)

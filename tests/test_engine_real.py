@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specjax import engine, sampling
+from specjax import build, sampling
 from specjax.drafts import first_layers_draft
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def real():
     from specjax import models
-    target, _ = specjax.models.load_default_target()
-    tok = specjax.models.load_default_tokenizer()
+    target, _ = models.load_default_target()
+    tok = models.load_default_tokenizer()
     return target, tok
 
 
@@ -27,26 +27,26 @@ def test_real_model_speculative_greedy_equals_autoregressive(real):
     ]
     cfg = sampling.SamplingConfig(temperature=0.0)
     n = 32
-    ar = engine.generate_autoregressive(target, prompts, seed=0, sampling_params=cfg, max_new_tokens=n,
+    ar = build.generate_autoregressive(target, prompts, seed=0, sampling_params=cfg, max_new_tokens=n,
                                         greedy=True)
     assert all(len(t) == n for t in ar.tokens)
-    look = engine.generate(target, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
+    look = build.generate(target, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
                            max_new_tokens=n)
     assert look.tokens == ar.tokens
     draft = first_layers_draft(target, 2)
-    spec = engine.generate(target, draft, prompts, k=3, method="greedy", seed=0, sampling_params=cfg,
+    spec = build.generate(target, draft, prompts, k=3, method="greedy", seed=0, sampling_params=cfg,
                            max_new_tokens=n)
     assert spec.tokens == ar.tokens, [tok.decode(t) for t in spec.tokens + ar.tokens]
     assert np.mean([s.tokens_per_round for s in spec.stats]) >= 1.0
 
 
 def test_shipped_default_draft_is_the_trained_eagle_head_and_keeps_greedy_exact(real):
-    """`specjax generate`'s default draft for this target: the EAGLE head in models/drafts/
+    """`specjax generate`'s default draft for this target: the EAGLE head shipped in specjax/drafts/data/
     (a complete training run), greedy-exact, and trained: it gets well over one token per
     round on prompts it was not trained on (an untrained head gets ~1.0)."""
     from specjax.models.eagle import EagleModel
-    from specjax.drafts import default_draft_for, shipped_draft_path
-    from specjax.eagle import read_draft
+    from specjax.drafts.files import default_draft_for, shipped_draft_path
+    from specjax.drafts.files import read_draft
 
     target, tok = real
     meta, _ = read_draft(shipped_draft_path(target))
@@ -57,9 +57,9 @@ def test_shipped_default_draft_is_the_trained_eagle_head_and_keeps_greedy_exact(
                ("Write a haiku about autumn leaves.", "Explain in two sentences what a hash table is.")]
     cfg = sampling.SamplingConfig(temperature=0.0)
     n = 32
-    ar = engine.generate_autoregressive(target, prompts, seed=0, sampling_params=cfg, max_new_tokens=n,
+    ar = build.generate_autoregressive(target, prompts, seed=0, sampling_params=cfg, max_new_tokens=n,
                                         greedy=True)
-    spec = engine.generate(target, draft, prompts, k=3, method="greedy", seed=0, sampling_params=cfg,
+    spec = build.generate(target, draft, prompts, k=3, method="greedy", seed=0, sampling_params=cfg,
                            max_new_tokens=n)
     assert spec.tokens == ar.tokens, [tok.decode(t) for t in spec.tokens + ar.tokens]
     assert np.mean([s.tokens_per_round for s in spec.stats]) > 1.5, [s.tokens_per_round for s in spec.stats]

@@ -348,7 +348,7 @@ def test_real_model_answers_and_caches(real):
             out[i, : len(r)] = r
         return jnp.asarray(out)
 
-    step = lm.jit_apply
+    step = jax.jit(lm.apply)
     out = step(lm.params, padded(prompts), lm.init_cache(B, 88))
     cache = out.cache.with_lengths(jnp.asarray(lens))
     last = out.logits[jnp.arange(B), lens - 1]

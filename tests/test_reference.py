@@ -66,7 +66,7 @@ def run(ref, model):
     padded = np.full((P, bucket), 2, np.int32)
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
-    step = lm.jit_apply
+    step = jax.jit(lm.apply)
     out = step(lm.params, jnp.asarray(padded), lm.init_cache(P, bucket + N_GEN + 8))
     prompt_logits = [np.asarray(out.logits[i, : lens[i]]) for i in range(P)]
     cache = out.cache.with_lengths(jnp.asarray(lens))

@@ -233,7 +233,7 @@ def test_single_draws_equal_the_gumbel_draw():
     Gumbel-max sample returns under any key; sample_rows switches to it only when every row
     qualifies, and the engine's greedy verification then emits the same tokens."""
     from specjax import sampling
-    from specjax.proposers import sample_rows
+    from specjax.sampling import sample_rows
 
     v = 50
     rng = np.random.default_rng(0)
@@ -255,3 +255,25 @@ def test_single_draws_equal_the_gumbel_draw():
         np.testing.assert_array_equal(sample_rows(hk, mixed), jax.vmap(sampling.sample)(hk, mixed))
     assert list(np.asarray(got[-2:])) == [-1, -1]
     np.testing.assert_array_equal(got[:6], jnp.argmax(logits, -1))
+    # the explicit switch: sample(..., single=True) is draw_single
+    np.testing.assert_array_equal(jax.vmap(lambda k, r: sampling.sample(k, r, single=True))(keys, rows), got)
+
+
+def test_top_values_is_an_argument_of_the_pipeline():
+    """How each row's largest values are found is passed in (a sharded run passes its own);
+    the default is lax.top_k, an equivalent search gives the same law, and the argument is
+    really used (a search that returns wrong values changes the top-k / top-p cut)."""
+    from specjax import sampling
+
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((4, 300)), jnp.float32)
+    params = sampling.SamplingConfig(temperature=0.9, top_k=7, top_p=0.8).to_params(4)
+    base = sampling.process_logits(logits, params)
+    same = sampling.process_logits(logits, params,
+                                   top_values=lambda z, m: -jnp.sort(-z, axis=-1)[:, :m])
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(base))
+    wrong = sampling.process_logits(logits, params, top_values=lambda z, m: jnp.sort(z, axis=-1)[:, :m])
+    assert not np.array_equal(np.isfinite(np.asarray(wrong)), np.isfinite(np.asarray(base)))
+    rows = sampling.process_rows(logits, params, None, jnp.asarray(False),
+                                 top_values=lambda z, m: -jnp.sort(-z, axis=-1)[:, :m])
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(base))

@@ -19,6 +19,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from specjax import build
 from specjax import sharding as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,12 +31,15 @@ MESHES = ("1x8", "2x4", "8x1")
 
 
 def test_every_mesh_and_pod_config_loads():
-    for p in sorted((S.CONFIG_DIR).glob("*.yaml")):
-        cfg = S.load_sharding_config(p.stem)
-        assert cfg.name == p.stem
+    from specjax.configs import list_configs
+
+    assert list_configs("mesh") and list_configs("pods")
+    for name in list_configs("mesh"):
+        cfg = S.load_sharding_config(name)
+        assert cfg.name == name
         assert cfg.target.get("batch") == "data"
-    for p in sorted(S.POD_DIR.glob("*.yaml")):
-        pod = S.load_pod_config(p.stem)
+    for name in list_configs("pods"):
+        pod = build.load_pod_config(name)
         assert pod.devices >= 1 and pod.generate.batch >= 1
         data, model = pod.sharding.mesh.sizes(pod.devices)
         assert data * model == pod.devices

@@ -79,6 +79,7 @@ def test_chat_template_shape(tok):
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    assert tok.encode_user("Hi") == ids
     assert ids[0] == 1 and ids[-3:] == tok.encode("<|im_start|>assistant\n")[-3:]
     with pytest.raises(TokenizerError):
         tok.apply_chat_template([{"content": "no role"}])

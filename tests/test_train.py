@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from specjax.models.llama import LlamaLM, tiny_config
-from specjax import engine, sampling
-from specjax import training as T
-from specjax.eagle import load_draft
+from specjax import build, sampling
+from specjax.train import distill as T
+from specjax.drafts import make_proposer
+from specjax.drafts.files import load_draft_model
 
 TINY = dict(vocab_size=64, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 
@@ -96,11 +97,11 @@ def test_loss_goes_down_and_alpha_goes_up(prompt_files, tmp_path, target, draft,
         assert last["alpha"][1] > first["alpha"][1]
     assert res["eval"] == last
     # the exported draft drives the engine exactly (greedy equality)
-    prop = load_draft(str(out / "draft.npz"), target, k=3)
+    prop = make_proposer(load_draft_model(str(out / "draft.npz"), target), 3, target.vocab_size)
     prompts = [[1, 2, 3, 4], [9, 8]]
     g = sampling.SamplingConfig(temperature=0.0)
-    ar = engine.generate_autoregressive(target, prompts, seed=0, sampling_params=g, max_new_tokens=16)
-    sp = engine.generate(target, prop, prompts, k=3, method="greedy", seed=0, sampling_params=g,
+    ar = build.generate_autoregressive(target, prompts, seed=0, sampling_params=g, max_new_tokens=16)
+    sp = build.generate(target, prop, prompts, k=3, method="greedy", seed=0, sampling_params=g,
                          max_new_tokens=16)
     assert sp.tokens == ar.tokens
 
@@ -122,7 +123,7 @@ def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files
     lb, _ = _curve(tmp_path / "killed")
     assert la == lb  # same config -> same loss curve
     # frozen embedding: the exported file holds no embedding and loads from the target
-    prop = load_draft(str(tmp_path / "killed" / "draft.npz"), target, k=2)
+    prop = make_proposer(load_draft_model(str(tmp_path / "killed" / "draft.npz"), target), 2, target.vocab_size)
     np.testing.assert_array_equal(prop.model.canonical_weights()["embed"], target.canonical_weights()["embed"])
 
 
@@ -165,7 +166,7 @@ class _Ticks:
 
 
 def test_float16_draft_files(tmp_path, target):
-    from specjax.eagle import read_draft, save_draft
+    from specjax.drafts.files import read_draft, save_draft
 
     w = {"a": np.linspace(-3, 3, 50, dtype=np.float32).reshape(5, 10), "token_map": np.arange(7, dtype=np.int32)}
     save_draft(str(tmp_path / "h.npz"), "eagle", {}, w, dtype="float16")

@@ -248,3 +248,27 @@ def test_overlap_alpha_and_expected_tokens():
         closed = K + 1 if a == 1 else (1 - a ** (K + 1)) / (1 - a)
         np.testing.assert_allclose(V.expected_tokens_per_round(a, k=K), closed, rtol=1e-6)
         np.testing.assert_allclose(V.expected_tokens_per_round(np.full(K, a)), closed, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["token", "block"])
+def test_single_draws_for_greedy_targets_change_nothing(name):
+    """``single=True`` (every target row greedy: each emission law has one token) draws that
+    token without noise: the same results as the Gumbel draw under every key; and it is
+    really taken (for a target with two possible tokens the noise-free draw differs)."""
+    tokens, dlp, _ = _problem(11, ROWS)
+    rng = np.random.default_rng(12)
+    top = rng.integers(0, VOCAB, size=(ROWS, K + 1))
+    tlp = np.where(np.arange(VOCAB) == top[..., None], 0.0, -np.inf).astype(np.float32)
+    fast = jax.jit(jax.vmap(lambda *a: SAMPLERS[name](*a, single=True), in_axes=(0, 0, 0, 0, None)))
+    for seed in range(3):
+        rk = _keys(seed, ROWS)
+        a = batched[name](rk, tokens, dlp, tlp, jnp.int32(K))
+        b = fast(rk, tokens, dlp, tlp, jnp.int32(K))
+        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+        np.testing.assert_array_equal(np.asarray(a.num_accepted), np.asarray(b.num_accepted))
+    two = np.log(np.full((ROWS, K + 1, VOCAB), 1e-30, np.float32))
+    two[..., 0] = two[..., 1] = np.log(0.5)
+    rk = _keys(0, ROWS)
+    a = np.asarray(batched[name](rk, tokens, dlp, two, jnp.int32(K)).tokens)
+    b = np.asarray(fast(rk, tokens, dlp, two, jnp.int32(K)).tokens)
+    assert not np.array_equal(a, b)

@@ -2,7 +2,7 @@
 
 ``scripts/train_draft.py CONFIG.yaml`` runs :func:`train`. Everything is a pure function of
 the config (and its ``seed``): model init, the data (sampled from the target with the
-project's own batched decoding, :func:`specjax.engine.generate_autoregressive`), the data
+project's own batched decoding, :func:`specjax.build.generate_autoregressive`), the data
 order (a permutation per epoch from ``(seed, epoch)``, so the batch of step i is a function
 of i) and the loss curve.
 
@@ -43,9 +43,10 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from specjax.configs import CONFIG_ROOT, load_config as load_yaml_config, read_yaml
+
+REPO = str(CONFIG_ROOT.parent)  # relative data paths in training configs are from here
 LOSSES = ("fkl", "rkl", "tv", "hidden")
 KINDS = ("independent", "target_init", "eagle")
 
@@ -222,18 +223,19 @@ def target_vocab(spec: TargetSpec) -> int:
         from specjax.models.llama import tiny_config
 
         return tiny_config(**spec.config).vocab_size
-    with open(os.path.join(REPO, "configs/models/smollm2-135m.yaml")) as f:
-        return int(yaml.safe_load(f)["config"]["vocab_size"])
+    return int(load_yaml_config("smollm2-135m", "models")[0]["config"]["vocab_size"])
 
 
 def load_config(src) -> RunConfig:
     """A RunConfig from a YAML path or a dict; every bad value fails here, before any work."""
     if isinstance(src, (str, os.PathLike)):
-        with open(src) as f:
-            d = yaml.safe_load(f)
-    else:
+        try:
+            d = read_yaml(src)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif isinstance(src, Mapping):
         d = dict(src)
-    if not isinstance(d, dict):
+    else:
         raise ConfigError("the training config must be a mapping")
     extra = sorted(set(d) - {"seed", "target", "data", "draft", "train"})
     if extra:
@@ -287,9 +289,10 @@ def load_target(spec: TargetSpec):
 
     if spec.kind == "tiny":
         return LlamaLM.init(tiny_config(**spec.config), seed=spec.seed), None
-    from specjax import models
-    lm, _ = specjax.models.load_default_target(**(spec.overrides or {}))
-    return lm, specjax.models.load_default_tokenizer()
+    from specjax.build import load_target as load_run_target
+
+    lm, tok, _ = load_run_target("default", **(spec.overrides or {}))
+    return lm, tok
 
 
 def read_prompts(path, fmt, tok, limit=0):
@@ -303,7 +306,7 @@ def read_prompts(path, fmt, tok, limit=0):
         raise ConfigError(f"prompt_format {fmt!r} needs a tokenizer (the default target)")
     if fmt == "raw":
         return [tok.encode(ln) for ln in lines]
-    return [tok.apply_chat_template([{"role": "user", "content": ln}], tokenize=True) for ln in lines]
+    return [tok.encode_user(ln) for ln in lines]
 
 
 # --------------------------------------------------------------------------------------
@@ -347,7 +350,8 @@ def _teacher_fn(target, topk):
 
 def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
     """Generate (or load from the cache) the on-policy data of one split ('train'/'heldout')."""
-    from specjax import engine, sampling
+    from specjax import sampling
+    from specjax.build import generate_autoregressive
 
     dc = cfg.data
     key = _data_key(cfg, split)
@@ -371,7 +375,7 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
         chunk = rows[s:s + dc.gen_batch]
         idx = [offset + i * dc.samples_per_prompt + r for i, r in chunk]
         pr = [prompts[i] for i, _ in chunk]
-        out = engine.generate_autoregressive(target, pr, seed=cfg.seed, row_indices=idx, sampling_params=sp,
+        out = generate_autoregressive(target, pr, seed=cfg.seed, row_indices=idx, sampling_params=sp,
                                              max_new_tokens=dc.max_new_tokens, stop_tokens=stops)
         for p, g in zip(pr, out.tokens):
             seqs.append(list(p) + list(g))
@@ -498,7 +502,7 @@ def build_draft(cfg: RunConfig, target, train_data) -> Draft:
 
 
 def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
-    from specjax.eagle import save_draft
+    from specjax.drafts.files import save_draft
 
     m = draft.module()
     dt = cfg.train.export_dtype

@@ -1,0 +1,177 @@
+"""What a benchmark run measures: :class:`BenchConfig` (``configs/bench/*.yaml``) and the
+prompt set it runs on."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from scripts.bench import REPO
+from specjax.configs import load_config
+
+METHODS = ("token", "block")  # the verification methods a benchmark may time
+
+
+def _tuple(x, typ):
+    if x is None:
+        return None
+    if isinstance(x, (str, int, float)):
+        x = [x]
+    return tuple(typ(v) for v in x)
+
+
+def _per_batch(x) -> tuple:
+    """``{1: [..], 4: [..]}`` (YAML mapping) -> sorted tuple of ``(batch, value)`` pairs."""
+    if x is None:
+        return ()
+    if isinstance(x, dict):
+        x = x.items()
+    out = []
+    for b, v in x:
+        out.append((int(b), tuple(int(k) for k in v) if isinstance(v, (list, tuple)) else int(v)))
+    return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run. Every field can be set in YAML; the CLI overrides a few."""
+
+    name: str = "default"
+    # models (specjax.build.load_target / resolve_draft specs)
+    model: str = "default"  # default (SmolLM2-135M GGUF) | tiny (random) | preset name | .gguf path
+    draft: str = "default"  # default (specjax.drafts.files.default_draft_for) | lookup | layers:N | path
+    param_dtype: str = "float32"
+    dtype: Optional[str] = None  # compute dtype; None = param_dtype
+    scan_layers: bool = False  # lax.scan over layers: much faster compiles, slower CPU decode
+    # workload
+    prompts_file: str = "configs/bench/prompts.txt"
+    num_prompts: int = 16
+    chat_template: bool = True
+    max_new_tokens: int = 64
+    temperatures: tuple = (0.0, 0.7, 1.0)
+    methods: tuple = METHODS
+    batch_sizes: tuple = (1, 4, 16)
+    ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
+    ks_by_batch: tuple = ()  # ((batch, (k, ...)), ...): K grid per batch size (default: ks)
+    rows_by_batch: tuple = ()  # ((batch, rows), ...): prompts per timed repetition (default: num_prompts)
+    # timing
+    repeats: int = 3
+    seed: int = 0
+    step_repeats: int = 15  # timed calls of one jitted model step (cost ratios c and v)
+    # exactness check (two-sample chi-square at this temperature)
+    chi_square_temperature: float = 1.0
+    chi_square_min_expected: float = 5.0
+    # the Hugging Face peer (batch 1, same prompts and lengths)
+    peer: bool = True
+    peer_dtypes: tuple = ("float32", "bfloat16")
+    peer_ks: tuple = (2, 4, 8)
+    peer_schedules: tuple = ("constant", "heuristic")
+    peer_temperatures: tuple = (0.0, 1.0)
+    peer_repeats: int = 2
+    peer_num_prompts: int = 0  # 0 = the batch-1 prompt set
+    peer_threads: int = 0  # torch threads; 0 = os.cpu_count()
+    # outputs
+    out_dir: str = "out/bench"
+    markdown: Optional[str] = None  # path of the BENCHMARKS.md whose marked section is rewritten
+    publish_dir: Optional[str] = None  # copy the plots here (e.g. docs/bench) and link them
+    plots: bool = True
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for k, typ in (("temperatures", float), ("methods", str), ("batch_sizes", int), ("ks", int),
+                       ("peer_dtypes", str), ("peer_ks", int), ("peer_schedules", str),
+                       ("peer_temperatures", float)):
+            set_(k, _tuple(getattr(self, k), typ) or ())
+        set_("ks_by_batch", _per_batch(self.ks_by_batch))
+        set_("rows_by_batch", _per_batch(self.rows_by_batch))
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise ValueError(f"methods must be among {METHODS}, got {bad}")
+        if any(k < 1 for k in self.ks) or any(b < 1 for b in self.batch_sizes):
+            raise ValueError("K and batch sizes must be >= 1")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError("temperatures must be >= 0")
+        if self.repeats < 1 or self.max_new_tokens < 1 or self.num_prompts < 1:
+            raise ValueError("repeats, max_new_tokens and num_prompts must be >= 1")
+        if self.peer_schedules and any(s not in ("constant", "heuristic") for s in self.peer_schedules):
+            raise ValueError("peer_schedules must be among constant, heuristic")
+        for b in self.batch_sizes:
+            r = self.rows_for(b)
+            if r % b:
+                raise ValueError(f"rows_by_batch[{b}] = {r} is not a multiple of the batch size")
+
+    # -- derived --------------------------------------------------------------------------
+    def ks_for(self, batch: int) -> tuple:
+        return dict(self.ks_by_batch).get(batch, self.ks)
+
+    def rows_for(self, batch: int) -> int:
+        r = dict(self.rows_by_batch).get(batch)
+        if r is None:
+            r = max(batch, (self.num_prompts // batch) * batch)
+        return int(r)
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.dtype or self.param_dtype
+
+    def replace(self, **changes) -> "BenchConfig":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ks_by_batch"] = {b: list(v) for b, v in self.ks_by_batch}
+        d["rows_by_batch"] = {b: v for b, v in self.rows_by_batch}
+        return d
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(BenchConfig))
+
+
+def load_bench_config(name_or_path: str, **overrides) -> BenchConfig:
+    """``configs/bench/<name>.yaml`` (or a YAML path) -> :class:`BenchConfig`; ``overrides``
+    (None values ignored) replace fields. The name defaults to the file's stem."""
+    raw, path = load_config(name_or_path, "bench", allowed=FIELDS, what="benchmark config")
+    raw.setdefault("name", path.stem)
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return BenchConfig(**raw)
+
+
+# --------------------------------------------------------------------------------------
+# prompts
+
+
+def read_prompts(path: str) -> list:
+    """The non-empty, non-comment lines of a prompts file (relative paths: the checkout)."""
+    p = Path(path)
+    if not p.is_absolute():
+        p = REPO / p
+    lines = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines()]
+    return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def build_prompts(cfg: BenchConfig, tokenizer, vocab_size: int) -> tuple:
+    """``(texts, token id lists)``: ``num_prompts`` prompts (cycled if the file has fewer).
+
+    Without a tokenizer (``--model tiny``) the prompts are fixed pseudo-random token ids
+    (lengths 6..20) with some repeated n-grams so prompt lookup has something to find."""
+    if tokenizer is None:
+        rng = np.random.default_rng(1234)
+        texts, ids = [], []
+        for i in range(cfg.num_prompts):
+            n = int(rng.integers(6, 21))
+            base = rng.integers(0, vocab_size, size=max(3, n // 2)).tolist()
+            row = (base * 3)[:n]
+            texts.append(f"<random ids #{i}>")
+            ids.append([int(t) for t in row])
+        return texts, ids
+    texts = read_prompts(cfg.prompts_file)
+    if not texts:
+        raise ValueError(f"{cfg.prompts_file}: no prompts")
+    texts = [texts[i % len(texts)] for i in range(cfg.num_prompts)]
+    if cfg.chat_template:
+        ids = [tokenizer.encode_user(t) for t in texts]
+    else:
+        ids = [tokenizer.encode(t) for t in texts]
+    return texts, ids

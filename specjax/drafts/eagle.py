@@ -1,0 +1,104 @@
+"""The EAGLE-style feature draft as a proposer (the head itself: ``specjax.models.eagle``).
+
+:class:`EagleProposer` keeps the head's KV cache over the pairs ``(h_t, s_{t+1})`` of the
+committed sequence ``s`` (length c) for t < c-1: target features ``h_t`` are known up to
+position c-2 (the target's cache holds ``s[:c-1]``) and ``s_{c-1}`` is the last token, so the
+pair at t = c-2 is the last complete one. Its output, the predicted ``h_{c-1}``, is kept in
+the state; its logits through the target's head are the draft law of ``x_1``.
+
+* ``init``: feed the prompt's pairs (t < c-1) from the prefill hidden states;
+* ``propose``: draw x_1 from the kept prediction, then K-1 steps that feed
+  ``(h_hat, x_i)`` (the head's OWN predicted feature) to get x_{i+1}; every draw goes through
+  the shared pipeline (``process_rows`` / ``sample_rows``) with keys DRAFT + position, so the
+  reported q is the law the token was drawn from;
+* ``commit``: roll the cache back to the pairs before the round (lengths), and feed the
+  round's K+1 pairs with the TRUE target features (only ``num_new`` are valid; the rest
+  land in slots past the new length and are never read). Rows with ``num_new == 0``
+  (finished) keep their state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafts.base import (
+    CommitContext,
+    ModelBackedProposer,
+    Proposal,
+    ProposeContext,
+    draft_chain,
+)
+from specjax.keys import DRAFT, position_key, role_key
+from specjax.sampling import process_rows, sample_rows
+
+
+def _take_rows(x, idx):
+    """x [B, T, D], idx [B] -> [B, D]."""
+    return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EagleProposer(ModelBackedProposer):
+    """Proposer for an :class:`specjax.models.eagle.EagleModel` (needs the target's hidden states)."""
+
+    model: Any
+    k: int
+    needs_target_hidden: bool = True
+    min_prompt_len: int = 2
+    always_drafts: bool = True  # num_draft is K for every row
+
+    def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
+        if target_hidden is None:
+            raise ValueError("EagleProposer needs the target's hidden states")
+        b, p = prompt_tokens.shape
+        nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)
+        cache = self.model.init_cache(b, cache_len)
+        h, cache = self.model.apply(params, target_hidden, nxt, cache)
+        return dict(cache=cache.with_lengths(prompt_lens - 1), h=_take_rows(h, prompt_lens - 2))
+
+    def propose(self, params, state, ctx: ProposeContext) -> Proposal:
+        m = self.model.module(params)
+        cache = state["cache"].with_lengths(ctx.seq_len - 1)
+        draft_keys = jax.vmap(lambda k: role_key(k, DRAFT))(ctx.round_keys)
+        v = self.vocab_size
+
+        tm = m.token_map[...] if self.model.config.vocab_subset else None
+
+        def draw(h, counts, i):
+            ks = jax.vmap(lambda k: position_key(k, i))(draft_keys)
+            lp = process_rows(m.full_logits(h), ctx.params, counts, ctx.use_penalties,
+                              top_values=ctx.top_values)
+            if tm is None:
+                return sample_rows(ks, lp), lp
+            # q is 0 outside the scored tokens (the pipeline keeps -inf at -inf), so drawing
+            # among them alone is the same law at a sixth of the noise to generate
+            j = sample_rows(ks, jnp.take(lp, tm, axis=-1))
+            return jnp.where(j < 0, j, tm[jnp.maximum(j, 0)]), lp  # -1 (nothing possible) stays -1
+
+        def step(carry, i):
+            cache, h, counts = carry
+            x, lp = draw(h, counts, i)
+            hn, cache = m(h[:, None], x[:, None], cache)
+            counts = counts + jax.nn.one_hot(x, v, dtype=counts.dtype)
+            return (cache, hn[:, 0], counts), (x, lp)
+
+        (cache, _, _), tokens, logprobs = draft_chain(
+            self.k, step, lambda c, i: draw(c[1], c[2], i), (cache, state["h"], ctx.counts))
+        b = tokens.shape[0]
+        return Proposal(tokens, logprobs, jnp.full((b,), self.k, jnp.int32),
+                        dict(cache=cache, h=state["h"]))
+
+    def commit(self, params, state, ctx: CommitContext):
+        num_new = ctx.num_new
+        base = ctx.seq_len - 1 - num_new  # pairs before this round's new ones
+        kk = ctx.target_hidden.shape[1]
+        idx = jnp.clip(base[:, None] + 1 + jnp.arange(kk)[None, :], 0, ctx.seq.shape[1] - 1)
+        toks = jnp.take_along_axis(ctx.seq, idx, axis=1)
+        h, cache = self.model.apply(params, ctx.target_hidden, toks, state["cache"].with_lengths(base))
+        ok = num_new > 0
+        h_last = _take_rows(h, jnp.maximum(num_new - 1, 0))
+        return dict(cache=cache.with_lengths(base + num_new),
+                    h=jnp.where(ok[:, None], h_last, state["h"]))

@@ -1,0 +1,129 @@
+"""Draft files and the shipped default drafts.
+
+Draft files (``.npz``): ``meta`` (JSON: kind, config, training info) plus the weights.
+``kind == "eagle"``: the head's trainable weights and ``token_map`` (the target's
+embedding / head are taken from the target at load time, so files stay small);
+``kind == "llama"``: an independent draft's canonical weights (``embed`` may be omitted
+when ``embed_from_target``, e.g. a target-initialised draft with a frozen embedding).
+
+A draft changes only speed, never the output law. For SmolLM2-135M-Instruct (the embedded
+default target) the default draft is the EAGLE head shipped as package data in
+``specjax/drafts/data/`` (trained by ``scripts/train_draft.py
+configs/train/eagle_smollm2_gpu.yaml``; its file's ``info`` holds the step count and
+held-out numbers); any other target gets prompt lookup (an n-gram proposer that needs no
+weights).
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+# target name (the GGUF's general.name) -> shipped draft file in specjax/drafts/data/;
+# the shape is checked on load
+SHIPPED = {"Smollm2 135M 8k Lc100K Mix1 Ep2": "smollm2-135m-instruct-eagle.npz"}
+
+
+def shipped_draft_path(target) -> Optional[str]:
+    """The shipped draft file for ``target`` (matched by name and shape), or None."""
+    name = SHIPPED.get(getattr(target.config, "name", None))
+    if name is None:
+        return None
+    res = importlib.resources.files("specjax.drafts").joinpath("data", name)
+    if not res.is_file():
+        raise FileNotFoundError(f"the shipped draft {name} is missing from the installation")
+    path = str(res)  # package data is a plain file in a wheel or an editable install
+    c, t = read_draft_meta(path)["config"], target.config
+    if (c["vocab_size"], c["dim"]) != (t.vocab_size, t.dim):
+        return None
+    return path
+
+
+def default_draft_for(target):
+    """The draft ``specjax generate`` uses for ``target``: a draft model, or 'lookup'."""
+    path = shipped_draft_path(target)
+    return "lookup" if path is None else load_draft_model(path, target)
+
+
+def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional[dict] = None,
+               dtype: str = "float32") -> None:
+    """Write a draft file (npz): ``meta`` JSON plus int arrays and float weights stored as
+    ``dtype`` (float32, or float16 for half the size; :func:`read_draft` returns float32)."""
+    if kind not in ("eagle", "llama"):
+        raise ValueError(f"unknown draft kind {kind!r}")
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"draft files store float32 or float16 weights, not {dtype!r}")
+    meta = dict(kind=kind, config=config, info=info or {}, format=1)
+    arrays = {}
+    for k, v in weights.items():
+        if v is None:
+            continue
+        a = np.asarray(v)
+        if np.issubdtype(a.dtype, np.floating):
+            if dtype == "float16" and np.isfinite(a).all() and np.abs(a).max(initial=0.0) >= 65504:
+                raise ValueError(f"draft weight {k!r} does not fit float16 (max |x| = {np.abs(a).max()})")
+            a = a.astype(dtype)
+        arrays[k] = a
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    os.replace(tmp, path)
+
+
+def _float32(weights: dict) -> dict:
+    return {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
+
+
+def read_draft_meta(path: str) -> dict:
+    """The ``meta`` dict of a draft file, without reading its weights."""
+    with np.load(path) as f:
+        return json.loads(bytes(f["meta"]).decode())
+
+
+def read_draft(path: str, upcast: bool = True):
+    """(meta dict, weights dict of numpy arrays); float weights as float32 unless not ``upcast``."""
+    with np.load(path) as f:
+        meta = json.loads(bytes(f["meta"]).decode())
+        weights = {k: f[k] for k in f.files if k != "meta"}
+    return meta, (_float32(weights) if upcast else weights)
+
+
+def load_draft_model(path: str, target, param_dtype: str = "auto"):
+    """The draft model in a file: an ``EagleModel`` or a ``LlamaLM`` (checked against the target).
+
+    ``param_dtype`` (EAGLE heads): ``"auto"`` keeps weights stored in float16 as float16 (the
+    same values; the CPU matmul kernel reads them as they are, streaming half the bytes, and
+    computes in float32), otherwise the file's config; or a dtype name. A draft's numerics
+    change only its q, which the verifier uses as it is: the output law stays the target's."""
+    from specjax.models.eagle import EagleConfig, EagleModel
+    from specjax.models.llama import LlamaConfig, LlamaLM
+
+    meta, w = read_draft(path, upcast=False)
+    kind = meta.get("kind")
+    if kind == "eagle":
+        c = dict(meta["config"])
+        floats = [v for v in w.values() if np.issubdtype(v.dtype, np.floating)]
+        if param_dtype == "auto":
+            if floats and all(v.dtype == np.float16 for v in floats):
+                c["param_dtype"] = "float16"
+        else:
+            c["param_dtype"] = param_dtype
+        cfg = EagleConfig.from_dict(c)
+        tm = w.pop("token_map", None)
+        return EagleModel.for_target(target, cfg, trainable=w, token_map=tm)
+    w = _float32(w)
+    if kind == "llama":
+        cfg = LlamaConfig(**meta["config"])
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocabulary V={cfg.vocab_size} does not match the target's "
+                             f"V={target.vocab_size}")
+        if meta.get("info", {}).get("embed_from_target") or "embed" not in w:
+            tw = target.canonical_weights()
+            w["embed"] = tw["embed"]
+            if not cfg.tie_embeddings and "lm_head" not in w:
+                w["lm_head"] = tw.get("lm_head", tw["embed"])
+        return LlamaLM.from_weights(cfg, w)
+    raise ValueError(f"{path}: unknown draft kind {kind!r}")

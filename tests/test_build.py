@@ -1,0 +1,94 @@
+"""specjax.build: one place assembles a run (target, draft, K, method, sampling, mesh)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from specjax import build, sampling
+from specjax.drafts import DraftModelProposer, PromptLookupProposer
+from specjax.models import LlamaLM, tiny_config
+
+PROMPTS = [[1, 2, 3, 1, 2], [4, 5, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return (LlamaLM.init(tiny_config(vocab_size=16, n_layers=2), seed=0),
+            LlamaLM.init(tiny_config(vocab_size=16, n_layers=1), seed=1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="typical"), "method must be one of"),
+    (dict(k=0), "K must be an integer >= 1"),
+    (dict(k=True), "K must be an integer >= 1"),
+    (dict(draft="eagle2"), "expected default, lookup, none, layers:N or an existing path"),
+])
+def test_run_spec_rejects_bad_settings_before_loading(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build.RunSpec(**kwargs)
+
+
+def test_build_a_tiny_run_greedy_equals_autoregressive():
+    run = build.build(build.RunSpec(target="tiny", draft="lookup", k=2, method="greedy",
+                                    sampling=sampling.SamplingConfig(temperature=0.0)))
+    assert run.engine.k == 2 and run.tokenizer is None and run.draft_desc["kind"] == "lookup"
+    prompts = [[5, 9, 5, 9, 5], [1, 2, 3]]
+    spec = run.generate(prompts, seed=0, max_new_tokens=12)
+    ar = run.generate_autoregressive(prompts, seed=0, max_new_tokens=12)
+    assert spec.tokens == ar.tokens and all(len(t) == 12 for t in spec.tokens)
+
+
+def test_build_without_a_draft_has_only_the_autoregressive_engine():
+    run = build.build(build.RunSpec(target="tiny", draft="none"))
+    assert run.engine is None
+    with pytest.raises(ValueError, match="no draft"):
+        run.generate([[1, 2]], seed=0)
+    assert len(run.generate_autoregressive([[1, 2]], seed=0, max_new_tokens=3).tokens[0]) == 3
+
+
+def test_k_has_one_default_and_comes_from_the_proposer(models):
+    target, draft = models
+    assert build.make_engine(target, draft).k == build.DEFAULT_K
+    assert build.make_engine(target, "lookup", 5).k == 5
+    prop = DraftModelProposer(draft, 2)
+    assert build.make_engine(target, prop).k == 2
+    with pytest.raises(ValueError, match="drafts K=2, asked for K=4"):
+        build.make_engine(target, prop, 4)
+    out = build.generate(target, PromptLookupProposer(vocab_size=16, k=3), PROMPTS, seed=0,
+                         max_new_tokens=6)
+    assert all(len(s.reached_per_position) == 3 for s in out.stats)
+
+
+def test_engines_are_memoized_by_models_and_settings(models):
+    target, draft = models
+    a = build.make_engine(target, draft, 2, "token")
+    assert build.make_engine(target, draft, 2, "token") is a
+    assert build.make_engine(target, draft, 2, "block") is not a
+    assert build.make_engine(target, draft, 3, "token") is not a
+    other = LlamaLM.init(tiny_config(vocab_size=16, n_layers=2), seed=0)
+    assert build.make_engine(other, draft, 2, "token") is not a
+    assert build.make_autoregressive_engine(target) is build.make_autoregressive_engine(target)
+
+
+def test_resolve_draft_specs(models):
+    target, _ = models
+    d, desc = build.resolve_draft("layers:1", target)
+    assert d.config.n_layers == 1 and desc == {"kind": "layers", "spec": "layers:1", "n_layers": 1}
+    assert build.resolve_draft("default", target)[0] == "lookup"  # no shipped draft for it
+    assert build.resolve_draft("ngram", target)[0] == "lookup"
+    with pytest.raises(ValueError, match="the target has 2 layers"):
+        build.resolve_draft("layers:3", target)
+    with pytest.raises(ValueError, match="draft 'none'"):
+        build.resolve_draft("none", target)
+
+
+def test_importing_the_library_starts_no_jax_backend():
+    """Importing must leave room for jax.distributed.initialize() (multi-host pods)."""
+    code = ("import specjax.build, specjax.cli, specjax.train.distill\n"
+            "from jax._src import xla_bridge\n"
+            "print(xla_bridge.backends_are_initialized())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False"
