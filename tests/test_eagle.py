@@ -109,3 +109,56 @@ def test_default_draft_is_lookup_for_other_targets():
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     assert shipped_draft_path(tgt) is None
     assert default_draft_for(tgt) == "lookup"
+
+
+# ------------------------------------------- draft files that cannot be used
+
+
+@pytest.fixture()
+def draft_file(tmp_path):
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    em = _head(tgt, vocab_subset=40)
+    path = tmp_path / "good.npz"
+    save_draft(str(path), "eagle", em.config.to_dict(), dict(em.trainable_weights(), token_map=em.token_map()))
+    return tgt, em, path
+
+
+def test_corrupt_or_foreign_draft_files_are_refused_naming_the_file(draft_file, tmp_path):
+    from specjax.drafts.files import DraftFileError, read_draft
+
+    tgt, em, good = draft_file
+    data = good.read_bytes()
+    cases = {
+        "truncated.npz": data[: len(data) // 2],
+        "random.npz": np.random.default_rng(0).bytes(5000),
+        "empty.npz": b"",
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+    np.savez(tmp_path / "nometa.npz", x=np.zeros(3))
+    for name in list(cases) + ["nometa.npz", "missing.npz"]:
+        path = str(tmp_path / name)
+        with pytest.raises(DraftFileError) as e:
+            load_draft_model(path, tgt)
+        msg = str(e.value)
+        assert path in msg and "allow_pickle" not in msg and "\n" not in msg, msg
+    # a tensor of the wrong shape is refused at load, not at the first generate
+    meta, w = read_draft(str(good), upcast=False)
+    w["wq"] = w["wq"][:, :-1]
+    save_draft(str(tmp_path / "shape.npz"), "eagle", meta["config"], w)
+    with pytest.raises(DraftFileError, match="tensor 'wq' has shape"):
+        load_draft_model(str(tmp_path / "shape.npz"), tgt)
+    del w["wq"]
+    save_draft(str(tmp_path / "lacking.npz"), "eagle", meta["config"], w)
+    with pytest.raises(DraftFileError, match=r"missing \['wq'\]"):
+        load_draft_model(str(tmp_path / "lacking.npz"), tgt)
+    assert isinstance(load_draft_model(str(good), tgt), EagleModel)  # the good file still loads
+
+
+def test_a_missing_shipped_draft_falls_back_to_prompt_lookup(monkeypatch):
+    from specjax.drafts import files
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32, name="shipped-test"), seed=5)
+    monkeypatch.setitem(files.SHIPPED, "shipped-test", "no-such-draft.npz")
+    with pytest.warns(UserWarning, match="no-such-draft.npz is missing"):
+        assert files.default_draft_for(tgt) == "lookup"

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import warnings
+import zipfile
 from typing import Optional
 
 import numpy as np
@@ -28,24 +30,30 @@ SHIPPED = {"Smollm2 135M 8k Lc100K Mix1 Ep2": "smollm2-135m-instruct-eagle.npz"}
 
 
 def shipped_draft_path(target) -> Optional[str]:
-    """The shipped draft file for ``target`` (matched by name and shape), or None."""
+    """The shipped draft file for ``target`` (matched by name and shape), or None.
+    :class:`DraftFileError` when the installation lacks it or it is unreadable."""
     name = SHIPPED.get(getattr(target.config, "name", None))
     if name is None:
         return None
     res = importlib.resources.files("specjax.drafts").joinpath("data", name)
     if not res.is_file():
-        raise FileNotFoundError(f"the shipped draft {name} is missing from the installation")
+        raise DraftFileError(f"the shipped draft {name} is missing from the installation")
     path = str(res)  # package data is a plain file in a wheel or an editable install
     c, t = read_draft_meta(path)["config"], target.config
-    if (c["vocab_size"], c["dim"]) != (t.vocab_size, t.dim):
+    if (c.get("vocab_size"), c.get("dim")) != (t.vocab_size, t.dim):
         return None
     return path
 
 
 def default_draft_for(target):
-    """The draft ``specjax generate`` uses for ``target``: a draft model, or 'lookup'."""
-    path = shipped_draft_path(target)
-    return "lookup" if path is None else load_draft_model(path, target)
+    """The draft ``specjax generate`` uses for ``target``: the shipped draft model, or
+    'lookup' (no shipped draft for it; or, with a warning, one that cannot be loaded)."""
+    try:
+        path = shipped_draft_path(target)
+        return "lookup" if path is None else load_draft_model(path, target)
+    except DraftFileError as e:
+        warnings.warn(f"specjax: {e}; using prompt lookup as the draft instead", stacklevel=2)
+        return "lookup"
 
 
 def save_draft(path: str, kind: str, config: dict, weights: dict, info: Optional[dict] = None,
@@ -77,18 +85,68 @@ def _float32(weights: dict) -> dict:
     return {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v) for k, v in weights.items()}
 
 
+class DraftFileError(ValueError):
+    """A draft file that cannot be used: missing, not a draft file, or not for this target."""
+
+
+# what numpy / zipfile raise for a truncated, corrupt or foreign file
+_UNREADABLE = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, UnicodeDecodeError)
+
+
+def _open(path: str):
+    """``np.load`` of a draft file (no pickles), with one clear error for anything that is
+    not a readable ``.npz`` holding a ``meta`` entry."""
+    if not os.path.isfile(path):
+        raise DraftFileError(f"draft file {path}: no such file")
+    try:
+        f = np.load(path, allow_pickle=False)
+    except _UNREADABLE as e:
+        raise DraftFileError(f"draft file {path}: not a readable .npz draft file "
+                             f"({type(e).__name__})") from None
+    if not isinstance(f, np.lib.npyio.NpzFile) or "meta" not in f.files:
+        raise DraftFileError(f"draft file {path}: not a specjax draft file (no 'meta' entry)")
+    return f
+
+
+def _meta(f, path: str) -> dict:
+    try:
+        meta = json.loads(bytes(f["meta"]).decode())
+    except _UNREADABLE as e:
+        raise DraftFileError(f"draft file {path}: unreadable meta ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise DraftFileError(f"draft file {path}: its meta has no config")
+    return meta
+
+
 def read_draft_meta(path: str) -> dict:
     """The ``meta`` dict of a draft file, without reading its weights."""
-    with np.load(path) as f:
-        return json.loads(bytes(f["meta"]).decode())
+    with _open(path) as f:
+        return _meta(f, path)
 
 
 def read_draft(path: str, upcast: bool = True):
-    """(meta dict, weights dict of numpy arrays); float weights as float32 unless not ``upcast``."""
-    with np.load(path) as f:
-        meta = json.loads(bytes(f["meta"]).decode())
-        weights = {k: f[k] for k in f.files if k != "meta"}
+    """(meta dict, weights dict of numpy arrays); float weights as float32 unless not ``upcast``.
+    :class:`DraftFileError` (a ValueError naming the file) for a missing, truncated or
+    foreign file."""
+    with _open(path) as f:
+        meta = _meta(f, path)
+        try:
+            weights = {k: f[k] for k in f.files if k != "meta"}
+        except _UNREADABLE as e:
+            raise DraftFileError(f"draft file {path}: truncated or corrupt ({type(e).__name__})") from None
     return meta, (_float32(weights) if upcast else weights)
+
+
+def _check_shapes(path: str, got: dict, expected: dict) -> None:
+    """Every expected tensor present with its shape, nothing else."""
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing or extra:
+        raise DraftFileError(f"draft file {path}: tensors missing {missing}, unexpected {extra}")
+    for k, shape in expected.items():
+        if tuple(np.shape(got[k])) != tuple(shape):
+            raise DraftFileError(f"draft file {path}: tensor {k!r} has shape {tuple(np.shape(got[k]))}, "
+                                 f"its config needs {tuple(shape)}")
 
 
 def load_draft_model(path: str, target, param_dtype: str = "auto"):
@@ -98,13 +156,20 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
     same values; the CPU matmul kernel reads them as they are, streaming half the bytes, and
     computes in float32), otherwise the file's config; or a dtype name. A draft's numerics
     change only its q, which the verifier uses as it is: the output law stays the target's."""
-    from specjax.models.eagle import EagleConfig, EagleModel
+    from specjax.models.eagle import EagleConfig, EagleModel, random_trainable
     from specjax.models.llama import LlamaConfig, LlamaLM
 
     meta, w = read_draft(path, upcast=False)
     kind = meta.get("kind")
     if kind == "eagle":
         c = dict(meta["config"])
+        try:
+            expected = {k: np.shape(v) for k, v in random_trainable(EagleConfig.from_dict(c)).items()}
+        except (TypeError, ValueError) as e:
+            raise DraftFileError(f"draft file {path}: bad EAGLE config ({e})") from None
+        if c.get("vocab_subset"):
+            expected["token_map"] = (c["vocab_subset"],)
+        _check_shapes(path, w, expected)
         floats = [v for v in w.values() if np.issubdtype(v.dtype, np.floating)]
         if param_dtype == "auto":
             if floats and all(v.dtype == np.float16 for v in floats):
@@ -126,4 +191,4 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
             if not cfg.tie_embeddings and "lm_head" not in w:
                 w["lm_head"] = tw.get("lm_head", tw["embed"])
         return LlamaLM.from_weights(cfg, w)
-    raise ValueError(f"{path}: unknown draft kind {kind!r}")
+    raise DraftFileError(f"draft file {path}: unknown draft kind {kind!r}")
