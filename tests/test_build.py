@@ -69,7 +69,8 @@ def test_engines_are_memoized_by_models_and_settings(models):
     assert build.make_engine(target, draft, 3, "token") is not a
     other = LlamaLM.init(tiny_config(vocab_size=16, n_layers=2), seed=0)
     assert build.make_engine(other, draft, 2, "token") is not a
-    assert build.make_autoregressive_engine(target) is build.make_autoregressive_engine(target)
+    assert build.make_autoregressive_engine(target) is build.make_autoregressive_engine(target, None)
+    assert build.make_engine(target, draft) is build.make_engine(target, draft, build.DEFAULT_K)
 
 
 def test_resolve_draft_specs(models):
