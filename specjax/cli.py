@@ -177,6 +177,7 @@ def _compile_and_run(name, eng, ids, **kw):
     t0 = time.perf_counter()
     eng.compile(ids, **kw)
     t_compile = time.perf_counter() - t0
+    _progress("generating")
     t0 = time.perf_counter()
     out = eng.generate(ids, **kw)
     return out, time.perf_counter() - t0, t_compile
