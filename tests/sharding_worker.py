@@ -114,6 +114,18 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
         res["refs"]["ar"] = summary(engine.AutoregressiveEngine(target).generate(
             PROMPTS, keys=keys, sampling_params=sp["token"], max_new_tokens=MAX_NEW))
         res["timings"]["single_device"] = round(time.time() - t0, 1)
+        # build(): a whole run from names, on one device and on the 8-device "tp" mesh
+        # (a draft model from the target's first layer; 6 rows padded to the data axis)
+        runs = {}
+        for mesh in (None, "tp"):
+            spec = build.RunSpec(target="tiny", draft="layers:1", k=2, mesh=mesh,
+                                 sampling=sampling.SamplingConfig(temperature=1.0, top_p=0.9))
+            r = build.build(spec)
+            runs[mesh or "one"] = {"spec": summary(r.generate(PROMPTS, seed=5, max_new_tokens=MAX_NEW)),
+                                   "ar": summary(r.generate_autoregressive(PROMPTS, seed=5,
+                                                                           max_new_tokens=MAX_NEW)),
+                                   "devices": len(jax.tree.leaves(r.target.params)[0].devices())}
+        res["build_runs"] = runs
 
     for mesh_name in meshes:
         t0 = time.time()

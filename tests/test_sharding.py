@@ -183,6 +183,17 @@ def test_generate_identical_to_single_device(multi, mesh, method):
 
 
 @pytest.mark.multidevice
+def test_build_on_a_mesh_gives_the_single_device_tokens(multi):
+    """build.build(RunSpec(mesh="tp")) places the models on the 8 devices and runs both
+    engines there: the same tokens as the same run on one device."""
+    runs = _need(multi, "a")["build_runs"]
+    assert runs["tp"]["devices"] == 8 and runs["one"]["devices"] == 1
+    for kind in ("spec", "ar"):
+        ref, got = runs["one"][kind]["tokens"], runs["tp"][kind]["tokens"]
+        assert got == ref, f"build on tp, {kind}\n" + _show(ref, got)
+
+
+@pytest.mark.multidevice
 def test_autoregressive_identical_to_single_device(multi):
     ref = _need(multi, "a")["refs"]["ar"]["tokens"]
     got = _case(multi, "2x4")["ar"]["tokens"]
