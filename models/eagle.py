@@ -178,16 +178,25 @@ def target_head(target) -> np.ndarray:
     return w["embed"] if target.config.tie_embeddings else w["lm_head"]
 
 
-def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True) -> dict:
-    """Random trainable weights: fc [2D, D] ([in, out]), out_norm [D], canonical layers.
-
-    ``copy_feature``: fc starts as "pass the feature through" (the head first predicts
-    h_{t+1} ~ h_t); otherwise fc is a plain random matrix."""
+def trainable_shapes(cfg: EagleConfig) -> dict:
+    """The shape of every trainable weight of a head: fc [2D, D] ([in, out]), out_norm [D],
+    and the canonical layer tensors (stacked over layers)."""
     lcfg = cfg.layer_config()
     D, F, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
     NH, KH = lcfg.n_heads * lcfg.head_dim, lcfg.n_kv_heads * lcfg.head_dim
-    shapes = dict(wq=(L, NH, D), wk=(L, KH, D), wv=(L, KH, D), wo=(L, D, NH), w_gate=(L, F, D),
-                  w_up=(L, F, D), w_down=(L, D, F))
+    return dict(wq=(L, NH, D), wk=(L, KH, D), wv=(L, KH, D), wo=(L, D, NH), w_gate=(L, F, D),
+                w_up=(L, F, D), w_down=(L, D, F), attn_norm=(L, D), mlp_norm=(L, D),
+                fc=(2 * D, D), out_norm=(D,))
+
+
+def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True) -> dict:
+    """Random trainable weights (shapes: :func:`trainable_shapes`).
+
+    ``copy_feature``: fc starts as "pass the feature through" (the head first predicts
+    h_{t+1} ~ h_t); otherwise fc is a plain random matrix."""
+    D, L = cfg.dim, cfg.n_layers
+    shapes = {k: v for k, v in trainable_shapes(cfg).items()
+              if k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
     layers = {n: jax.random.normal(kk, s, jnp.float32) / math.sqrt(s[-1])
               for kk, (n, s) in zip(keys[1:], sorted(shapes.items()))}

@@ -104,6 +104,8 @@ def _open(path: str):
         raise DraftFileError(f"draft file {path}: not a readable .npz draft file "
                              f"({type(e).__name__})") from None
     if not isinstance(f, np.lib.npyio.NpzFile) or "meta" not in f.files:
+        if isinstance(f, np.lib.npyio.NpzFile):
+            f.close()
         raise DraftFileError(f"draft file {path}: not a specjax draft file (no 'meta' entry)")
     return f
 
@@ -156,7 +158,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
     same values; the CPU matmul kernel reads them as they are, streaming half the bytes, and
     computes in float32), otherwise the file's config; or a dtype name. A draft's numerics
     change only its q, which the verifier uses as it is: the output law stays the target's."""
-    from specjax.models.eagle import EagleConfig, EagleModel, random_trainable
+    from specjax.models.eagle import EagleConfig, EagleModel, trainable_shapes
     from specjax.models.llama import LlamaConfig, LlamaLM
 
     meta, w = read_draft(path, upcast=False)
@@ -164,7 +166,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
     if kind == "eagle":
         c = dict(meta["config"])
         try:
-            expected = {k: np.shape(v) for k, v in random_trainable(EagleConfig.from_dict(c)).items()}
+            expected = trainable_shapes(EagleConfig.from_dict(c))
         except (TypeError, ValueError) as e:
             raise DraftFileError(f"draft file {path}: bad EAGLE config ({e})") from None
         if c.get("vocab_subset"):
