@@ -57,3 +57,47 @@ class LanguageModel(Protocol):
     def init_cache(self, batch: int, max_len: int) -> KVCache: ...
 
     def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False) -> ModelOutput: ...
+
+
+PREFILL_CHUNK = 512  # prompt tokens per forward in :func:`prefill` (a power of two)
+
+
+def prefill(model, params, tokens, lengths, cache: KVCache, *, chunk: int = PREFILL_CHUNK,
+            return_hidden: bool = False):
+    """Feed padded prompts ``tokens`` [B, P] (row b's first ``lengths[b]`` tokens are real)
+    into an empty ``cache``, ``chunk`` tokens per forward: ``(cache, hidden or None)``.
+
+    With ``P <= chunk`` this is one ``apply``. Longer prompts go through a ``fori_loop``
+    over ``ceil(max(lengths) / chunk)`` chunks (chunks past the longest prompt are skipped,
+    so a prompt is not paid at its bucket's size), each attending to the slots written so
+    far: activations and attention scores are bounded by the chunk, not the square of the
+    prompt. ``hidden`` ([B, P, D], the final hidden states, when ``return_hidden``) has
+    the same values at the real positions either way. The returned cache's lengths are
+    unspecified: callers set them (e.g. to ``lengths - 1``). Slots past a row's length
+    hold padding KV that later writes overwrite, as with one forward."""
+    b, p = tokens.shape
+    if p <= chunk:
+        o = model.apply(params, tokens, cache, return_hidden=return_hidden)
+        return o.cache, o.hidden
+    if p % chunk:
+        raise ValueError(f"prompt buffer of {p} tokens is not a multiple of the prefill chunk {chunk}")
+    first = jax.eval_shape(lambda: model.apply(params, tokens[:, :chunk], cache,
+                                               return_hidden=return_hidden))
+    hidden = None
+    if return_hidden:
+        hs = first.hidden
+        hidden = jax.numpy.zeros((b, p) + hs.shape[2:], hs.dtype)
+
+    def body(i, carry):
+        c, h = carry
+        start = i * chunk
+        x = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        o = model.apply(params, x, c.with_lengths(jax.numpy.full((b,), start, jax.numpy.int32)),
+                        return_hidden=return_hidden)
+        if return_hidden:
+            h = jax.lax.dynamic_update_slice_in_dim(h, o.hidden.astype(h.dtype), start, axis=1)
+        return o.cache, h
+
+    n = (jax.numpy.max(lengths) + chunk - 1) // chunk
+    cache, hidden = jax.lax.fori_loop(0, n, body, (cache, hidden))
+    return cache, hidden

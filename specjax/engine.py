@@ -40,6 +40,7 @@ import numpy as np
 
 from specjax import keys, sampling, verify
 from specjax.drafts.base import CommitContext, ProposeContext, Proposer
+from specjax.models.base import PREFILL_CHUNK, prefill
 from specjax.sampling import process_rows, sample_rows
 
 METHODS = ("token", "block", "greedy")
@@ -187,6 +188,13 @@ def _stop_array(stop_tokens, vocab_size):
     return arr
 
 
+def _check_chunk(chunk) -> int:
+    """The prefill chunk: a power of two >= 16 (prompt buffers are powers of two)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"prefill_chunk must be a power of two >= 16, got {chunk!r}")
+    return chunk
+
+
 def _use_penalties(params: sampling.SamplingParams) -> bool:
     rp = np.asarray(params.repetition_penalty)
     pp = np.asarray(params.presence_penalty)
@@ -198,13 +206,15 @@ class Batch:
     """One ``generate`` call's inputs after the host checks (before device placement).
 
     ``prompts`` int32[B, P] (P a bucket), ``prompt_lens`` int32[B], ``row_keys`` key[B],
-    ``params`` per-row SamplingParams, ``max_new`` int32[B], ``stop_ids`` int32[n];
+    ``params`` per-row SamplingParams, ``controls`` the generation controls
+    (:class:`specjax.sampling.Controls`), ``max_new`` int32[B], ``stop_ids`` int32[n];
     ``out_cap`` and ``cache_len`` are the static buffer sizes of the program."""
 
     prompts: np.ndarray
     prompt_lens: np.ndarray
     row_keys: Any
     params: sampling.SamplingParams
+    controls: sampling.Controls
     max_new: np.ndarray
     stop_ids: np.ndarray
     use_penalties: bool
@@ -218,9 +228,12 @@ class Batch:
 
 def prepare_batch(prompts, model, *, k: int = 0, min_prompt_len: int = 1, keys=None, seed=None,
                   row_indices=None, sampling_params=None, max_new_tokens=64,
-                  stop_tokens=None) -> Batch:
+                  stop_tokens=None, min_new_tokens=0, banned_tokens=None, allowed_tokens=None,
+                  logit_bias=None) -> Batch:
     """Every host-side check and the padding of one ``generate`` call. ``k``: draft tokens
-    per round (0 for the autoregressive engine); raises ValueError on bad input."""
+    per round (0 for the autoregressive engine); raises ValueError on bad input. The
+    generation controls (``min_new_tokens``, ``banned_tokens``, ``allowed_tokens``,
+    ``logit_bias``) are described in :func:`specjax.sampling.make_controls`."""
     v = model.vocab_size
     buf, lens = _prepare_prompts(prompts, v, max(1, min_prompt_len))
     b = buf.shape[0]
@@ -231,8 +244,11 @@ def prepare_batch(prompts, model, *, k: int = 0, min_prompt_len: int = 1, keys=N
     if limit is not None and need > limit:
         what = "prompt + max_new_tokens + K" if k else "prompt + max_new_tokens"
         raise ValueError(f"{what} = {need} exceeds the model's context of {limit} tokens")
+    controls = sampling.make_controls(b, v, stop_tokens=stop_tokens, min_new_tokens=min_new_tokens,
+                                      banned_tokens=banned_tokens, allowed_tokens=allowed_tokens,
+                                      logit_bias=logit_bias)
     return Batch(prompts=buf, prompt_lens=lens, row_keys=_prepare_keys(keys, seed, row_indices, b),
-                 params=params, max_new=max_new, stop_ids=_stop_array(stop_tokens, v),
+                 params=params, controls=controls, max_new=max_new, stop_ids=_stop_array(stop_tokens, v),
                  use_penalties=_use_penalties(params), out_cap=out_cap_for(int(max_new.max())),
                  cache_len=cache_len_for(buf.shape[1], int(max_new.max()), k))
 
@@ -361,6 +377,36 @@ class SpecCarry:
     round: jax.Array  # int32 scalar
 
 
+@flax.struct.dataclass
+class ARCarry:
+    """The autoregressive while loop's carry."""
+
+    state: DecodeState
+    target_cache: Any
+    round: jax.Array  # int32 scalar: the step index
+
+
+class TokenStream:
+    """What ``engine.stream(...)`` returns: iterate for the tokens each row committed in each
+    chunk of the loop (a list with one list of token ids per row; empty for rows that
+    committed nothing); once exhausted, :attr:`output` is the :class:`GenerateOutput`,
+    the same as ``generate`` with the same arguments returns."""
+
+    def __init__(self, gen):
+        self._gen = gen
+        self.output: Optional[GenerateOutput] = None
+
+    def __iter__(self):
+        self.output = yield from self._gen
+        return self.output
+
+    def run(self) -> GenerateOutput:
+        """Consume the stream (ignoring the chunks) and return the output."""
+        for _ in self:
+            pass
+        return self.output
+
+
 # --------------------------------------------------------------------------------------
 # optional sharding (specjax.sharding.MeshPlan): no-ops when the engine has none
 
@@ -406,16 +452,46 @@ class _Sharded:
             return params
         return self.sharding.place_params(params, role)
 
-    def _executable(self, args, static):
-        """The compiled program for these arguments: built once per signature (shapes,
+    def _executable(self, args, static, program: str = "_run"):
+        """The compiled ``program`` (``_run``: a whole generation; ``_start`` / ``_advance``:
+        the streamed one in chunks) for these arguments: built once per signature (shapes,
         dtypes and shardings of the arguments, static settings) and kept by the engine."""
-        sig = (tuple((getattr(a, "shape", None), getattr(a, "dtype", None), getattr(a, "sharding", None))
-                     for a in jax.tree.leaves(args)), tuple(sorted(static.items())))
+        sig = (program, tuple((getattr(a, "shape", None), getattr(a, "dtype", None),
+                               getattr(a, "sharding", None)) for a in jax.tree.leaves(args)),
+               tuple(sorted(static.items())))
         exe = self._compiled.get(sig)
         if exe is None:
             with self._context():
-                exe = self._compiled[sig] = self._run.lower(*args, **static).compile()
+                exe = self._compiled[sig] = getattr(self, program).lower(*args, **static).compile()
         return exe
+
+    def _stream(self, batch: Batch, chunk: int, static_opts: dict, with_stats: bool,
+                raise_on_error: bool):
+        """Run ``batch`` in chunks of ``chunk`` loop iterations with the loop state kept on
+        the devices (donated from chunk to chunk), yielding after each chunk the tokens
+        every row committed in it; returns the :class:`GenerateOutput`. The chunks run the
+        same rounds with the same keys as :meth:`generate`, so the tokens are the same."""
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
+        args, static = self._call_args(batch, **static_opts)
+        with self._context():
+            carry = self._executable(args, static, "_start")(*args)
+            rest = self._advance_inputs(args)
+            until = jnp.int32(0)
+            seen = [0] * batch.size
+            while True:
+                until = until + chunk
+                adv_args = (carry, *rest, until)
+                carry = self._executable(adv_args, {}, "_advance")(*adv_args)
+                st = jax.device_get(dict(out=carry.state.out, gen_len=carry.state.gen_len,
+                                         done=carry.state.done))
+                new = [st["out"][i, seen[i]: st["gen_len"][i]].tolist() for i in range(batch.size)]
+                seen = [int(st["gen_len"][i]) for i in range(batch.size)]
+                yield new
+                if st["done"].all():
+                    break
+            res = self._finish(carry, out_cap=batch.out_cap)
+        return _to_output(res, with_stats=with_stats, raise_on_error=raise_on_error, rows=batch.size)
 
     def _execute(self, batch: Batch, **opts) -> dict:
         args, static = self._call_args(batch, **opts)
@@ -423,24 +499,29 @@ class _Sharded:
             return self._executable(args, static)(*args)
 
     def _device_inputs(self, batch: Batch) -> tuple:
-        """(prompts, prompt_lens, row_keys, params, max_new, stop_ids, use_penalties) on the
-        devices: rows padded to a multiple of the ``data`` axis (with rows that emit
+        """(prompts, prompt_lens, row_keys, params, controls, max_new, stop_ids, use_penalties)
+        on the devices: rows padded to a multiple of the ``data`` axis (with rows that emit
         nothing) and placed over it; the rest replicated."""
         buf, lens, rk, params, max_new = (batch.prompts, batch.prompt_lens, batch.row_keys,
                                           batch.params, batch.max_new)
+        rowwise = batch.controls.replace(stop_mask=None)  # [B] / [B, V] fields
         if self.sharding is None:
-            rows = [jax.tree.map(jnp.asarray, r) for r in (buf, lens, rk, params, max_new)]
-            return (*rows, jnp.asarray(batch.stop_ids), jnp.asarray(batch.use_penalties))
+            rows = [jax.tree.map(jnp.asarray, r) for r in (buf, lens, rk, params, rowwise, max_new)]
+            controls = rows[4].replace(stop_mask=jnp.asarray(batch.controls.stop_mask))
+            return (*rows[:4], controls, rows[5], jnp.asarray(batch.stop_ids),
+                    jnp.asarray(batch.use_penalties))
         b = batch.size
         extra = (-b) % self.sharding.data_size
         if extra:
             rep = np.concatenate([np.arange(b), np.zeros(extra, np.int64)])
             rk = rk[jnp.asarray(rep)]
             params = jax.tree.map(lambda a: jnp.asarray(a)[rep], params)
+            rowwise = jax.tree.map(lambda a: jnp.asarray(a)[rep], rowwise)
             max_new = np.concatenate([max_new, np.zeros(extra, max_new.dtype)])
             buf, lens = buf[rep], lens[rep]
-        rows = [self.sharding.put_rows(r) for r in (buf, lens, rk, params, max_new)]
-        return (*rows, self.sharding.put_replicated(batch.stop_ids),
+        rows = [self.sharding.put_rows(r) for r in (buf, lens, rk, params, rowwise, max_new)]
+        controls = rows[4].replace(stop_mask=self.sharding.put_replicated(np.asarray(batch.controls.stop_mask)))
+        return (*rows[:4], controls, rows[5], self.sharding.put_replicated(batch.stop_ids),
                 self.sharding.put_replicated(np.asarray(batch.use_penalties)))
 
 
@@ -501,7 +582,8 @@ class SpeculativeEngine(_Sharded):
     on vocabulary-sharded log-probs. Outputs are the same as without a mesh.
     """
 
-    def __init__(self, target, proposer: Proposer, method: str = "token", *, sharding=None):
+    def __init__(self, target, proposer: Proposer, method: str = "token", *, sharding=None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(proposer, Proposer):
@@ -517,31 +599,66 @@ class SpeculativeEngine(_Sharded):
         self.proposer = proposer
         self.method = method
         self.sharding = sharding
+        self.prefill_chunk = _check_chunk(prefill_chunk)
         self.trace_count = 0
         self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len"))
+        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len"))
+        self._advance = jax.jit(self._advance_program, donate_argnums=(0,))
+        self._finish = jax.jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
     @property
     def k(self) -> int:
         return self.proposer.k
 
-    # -- device program ---------------------------------------------------------------
+    # -- device programs --------------------------------------------------------------
+    # _run: a whole generation (prefill + the loop until every row is done); _start and
+    # _advance: the same split in chunks for streaming (the carry stays on the devices).
     def _program(self, target_params, draft_params, prompts, prompt_lens, row_keys, params,
-                 max_new, stop_ids, use_penalties, *, out_cap, cache_len):
+                 controls, max_new, stop_ids, use_penalties, *, out_cap, cache_len):
+        carry = self._start_program(target_params, draft_params, prompts, prompt_lens, row_keys,
+                                    params, controls, max_new, stop_ids, use_penalties,
+                                    out_cap=out_cap, cache_len=cache_len)
+        carry = self._loop(carry, target_params, draft_params, row_keys, params, controls,
+                           max_new, stop_ids, use_penalties)
+        return self._finish_program(carry, out_cap)
+
+    def _start_program(self, target_params, draft_params, prompts, prompt_lens, row_keys, params,
+                       controls, max_new, stop_ids, use_penalties, *, out_cap, cache_len) -> SpecCarry:
         self.trace_count += 1
+        return self._prefill(target_params, draft_params, prompts, prompt_lens, max_new,
+                             out_cap=out_cap, cache_len=cache_len)
+
+    def _loop(self, carry: SpecCarry, target_params, draft_params, row_keys, params, controls,
+              max_new, stop_ids, use_penalties, until=None) -> SpecCarry:
+        """Rounds until every row is done (or the round index reaches ``until``)."""
         if self.method == "greedy":
             params = params.replace(temperature=jnp.zeros_like(params.temperature))
-        carry = self._prefill(target_params, draft_params, prompts, prompt_lens, max_new,
-                              out_cap=out_cap, cache_len=cache_len)
 
         def body(c: SpecCarry) -> SpecCarry:
-            return self._round(c, target_params, draft_params, row_keys, params, max_new,
-                               stop_ids, use_penalties)
+            return self._round(c, target_params, draft_params, row_keys, params, controls,
+                               max_new, stop_ids, use_penalties)
 
-        carry = jax.lax.while_loop(lambda c: ~jnp.all(c.state.done), body, carry)
+        def more(c: SpecCarry):
+            go = ~jnp.all(c.state.done)
+            return go if until is None else go & (c.round < until)
+
+        return jax.lax.while_loop(more, body, carry)
+
+    def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
+                         max_new, stop_ids, use_penalties, until) -> SpecCarry:
+        return self._loop(carry, target_params, draft_params, row_keys, params, controls,
+                          max_new, stop_ids, use_penalties, until)
+
+    def _finish_program(self, carry: SpecCarry, out_cap: int) -> dict:
         stats = {f.name: getattr(carry.stats, f.name) for f in dataclasses.fields(carry.stats)}
         out = self._c_out(dict(_outputs(carry.state, out_cap), **stats))
         return dict(out, proposer_state=carry.proposer_state)
+
+    @staticmethod
+    def _advance_inputs(args) -> tuple:
+        """``_call_args``' arguments that the loop reads (all but the prompts and lengths)."""
+        return args[:2] + args[4:]
 
     def _prefill(self, target_params, draft_params, prompts, prompt_lens, max_new, *, out_cap,
                  cache_len) -> SpecCarry:
@@ -551,19 +668,20 @@ class SpeculativeEngine(_Sharded):
         want_hidden = prop.needs_target_hidden
         b = prompts.shape[0]
         tcache = self._c_cache(tgt.init_cache(b, cache_len))
-        pre = tgt.apply(target_params, prompts, tcache, return_hidden=want_hidden)
-        tcache = self._c_cache(pre.cache.with_lengths(self.target_cache_lengths(prompt_lens)))
+        tcache, hidden = prefill(tgt, target_params, prompts, prompt_lens, tcache,
+                                 chunk=self.prefill_chunk, return_hidden=want_hidden)
+        tcache = self._c_cache(tcache.with_lengths(self.target_cache_lengths(prompt_lens)))
         with self._role("draft"):
             pstate = prop.init(draft_params, prompts, prompt_lens, cache_len,
-                               pre.hidden if want_hidden else None)
+                               hidden if want_hidden else None)
         state = DecodeState.initial(prompts, prompt_lens, out_cap + k + 1, cache_len + k + 1,
                                     tgt.vocab_size, max_new)
         return SpecCarry(state=self._c_state(state), stats=RoundStats.zeros(b, k),
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
                          round=jnp.int32(0))
 
-    def _round(self, c: SpecCarry, target_params, draft_params, row_keys, params, max_new,
-               stop_ids, use_penalties) -> SpecCarry:
+    def _round(self, c: SpecCarry, target_params, draft_params, row_keys, params, controls,
+               max_new, stop_ids, use_penalties) -> SpecCarry:
         """One round: propose, score, process, verify, commit, statistics."""
         state = c.state
         active = ~state.done
@@ -572,7 +690,8 @@ class SpeculativeEngine(_Sharded):
         # propose
         ctx = ProposeContext(seq=state.seq, seq_len=state.seq_len, params=params,
                              counts=state.counts, round_keys=round_keys,
-                             use_penalties=use_penalties, top_values=self._top_values)
+                             use_penalties=use_penalties, top_values=self._top_values,
+                             gen_len=state.gen_len, controls=controls)
         with self._role("draft"):
             proposal = self.proposer.propose(draft_params, c.proposer_state, ctx)
         x = proposal.tokens
@@ -581,11 +700,14 @@ class SpeculativeEngine(_Sharded):
 
         # score + process: the same pipeline, same order, for the target at each of the K+1
         # positions; the history at position i includes the draft tokens x_1..x_i
-        # (computed only when some row has a penalty on)
+        # (computed only when some row has a penalty on), and the controls at generated-token
+        # index gen_len + i
         t_logits, t_hidden, tcache = self._score(target_params, state, x, nd, c.target_cache)
+        gen_index = self.generated_before(state.gen_len, self.k)
         p_lp = self._c(process_rows(t_logits, params,
                                     lambda: self.position_counts(state.counts, x, nd),
-                                    use_penalties, top_values=self._top_values), _LOGITS)
+                                    use_penalties, allowed=controls.allowed_at(gen_index),
+                                    bias=controls.bias_at(3), top_values=self._top_values), _LOGITS)
 
         # verify + commit
         res = self._verify(round_keys, x, q_lp, p_lp, nd)
@@ -658,6 +780,13 @@ class SpeculativeEngine(_Sharded):
             [jnp.zeros((b, 1, counts.shape[-1]), counts.dtype), jnp.cumsum(oh, axis=1)], axis=1)
 
     @staticmethod
+    def generated_before(gen_len, k):
+        """Tokens generated before each of the K+1 scored positions: position i follows
+        ``gen_len`` committed ones and the drafts x_1..x_i -> int32[B, K+1] (what the
+        generation controls, e.g. ``min_new_tokens``, are evaluated at)."""
+        return gen_len[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+    @staticmethod
     def target_cache_lengths(seq_len):
         """After a commit the target keeps KV for s[:c-1] (rollback = this length)."""
         return seq_len - 1
@@ -673,13 +802,23 @@ class SpeculativeEngine(_Sharded):
                 *self._device_inputs(batch))
         return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len)
 
-    def generate(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
-                 max_new_tokens=64, stop_tokens=None, raise_on_error=True) -> GenerateOutput:
-        batch = self.prepare(prompts, keys=keys, seed=seed, row_indices=row_indices,
-                             sampling_params=sampling_params, max_new_tokens=max_new_tokens,
-                             stop_tokens=stop_tokens)
+    def generate(self, prompts, *, raise_on_error=True, **kwargs) -> GenerateOutput:
+        """Generate for a batch of prompts (lists of token ids). ``kwargs``: ``keys`` (one per
+        row) or ``seed`` (+ ``row_indices``), ``sampling_params``, ``max_new_tokens``,
+        ``stop_tokens`` and the generation controls ``min_new_tokens``, ``banned_tokens``,
+        ``allowed_tokens``, ``logit_bias`` (see :func:`prepare_batch`)."""
+        batch = self.prepare(prompts, **kwargs)
         res = self._execute(batch)
         return _to_output(res, with_stats=True, raise_on_error=raise_on_error, rows=batch.size)
+
+    def stream(self, prompts, *, chunk: int = 4, raise_on_error=True, **kwargs) -> TokenStream:
+        """As :meth:`generate`, streamed: the loop runs ``chunk`` rounds at a time with its
+        state kept on the devices, and the returned :class:`TokenStream` yields the tokens
+        each row committed in each chunk; its ``output`` then equals what :meth:`generate`
+        returns for the same arguments (the same rounds with the same keys). Each chunk
+        ends with one transfer of the token buffer to the host."""
+        batch = self.prepare(prompts, **kwargs)
+        return TokenStream(self._stream(batch, chunk, {}, True, raise_on_error))
 
     def compile(self, prompts, **kwargs) -> None:
         """Compile the program :meth:`generate` runs for these arguments (the same shapes and
@@ -707,56 +846,99 @@ class AutoregressiveEngine(_Sharded):
     as for :class:`SpeculativeEngine`.
     """
 
-    def __init__(self, target, *, sharding=None):
+    def __init__(self, target, *, sharding=None, prefill_chunk: int = PREFILL_CHUNK):
         self.target = target
         self.sharding = sharding
+        self.prefill_chunk = _check_chunk(prefill_chunk)
         self.trace_count = 0
-        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len", "greedy"))
+        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len"))
+        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len"))
+        self._advance = jax.jit(self._advance_program, donate_argnums=(0,))
+        self._finish = jax.jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
-    def _program(self, target_params, prompts, prompt_lens, row_keys, params, max_new, stop_ids,
-                 use_penalties, *, out_cap, cache_len, greedy):
+    def _program(self, target_params, prompts, prompt_lens, row_keys, params, controls, max_new,
+                 stop_ids, use_penalties, *, out_cap, cache_len):
+        carry = self._start_program(target_params, prompts, prompt_lens, row_keys, params, controls,
+                                    max_new, stop_ids, use_penalties, out_cap=out_cap, cache_len=cache_len)
+        carry = self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
+                           use_penalties)
+        return self._finish_program(carry, out_cap)
+
+    def _start_program(self, target_params, prompts, prompt_lens, row_keys, params, controls, max_new,
+                       stop_ids, use_penalties, *, out_cap, cache_len) -> "ARCarry":
         self.trace_count += 1
         tgt = self.target
         b = prompts.shape[0]
-        if greedy:
-            params = params.replace(temperature=jnp.zeros_like(params.temperature))
         tcache = self._c_cache(tgt.init_cache(b, cache_len))
-        tcache = self._c_cache(tgt.apply(target_params, prompts, tcache).cache.with_lengths(prompt_lens - 1))
+        tcache, _ = prefill(tgt, target_params, prompts, prompt_lens, tcache, chunk=self.prefill_chunk)
+        tcache = self._c_cache(tcache.with_lengths(prompt_lens - 1))
         state = self._c_state(DecodeState.initial(prompts, prompt_lens, out_cap + 1, cache_len + 1,
                                                   tgt.vocab_size, max_new))
+        return ARCarry(state=state, target_cache=tcache, round=jnp.int32(0))
 
-        def body(carry):
-            state, tcache, t = carry
+    def _loop(self, carry: "ARCarry", target_params, row_keys, params, controls, max_new, stop_ids,
+              use_penalties, until=None) -> "ARCarry":
+        """Steps until every row is done (or the step index reaches ``until``)."""
+        tgt = self.target
+
+        def body(c: ARCarry) -> ARCarry:
+            state, t = c.state, c.round
+            b = state.seq_len.shape[0]
             o = tgt.apply(target_params, state.last_tokens()[:, None],
-                          tcache.with_lengths(state.seq_len - 1))
+                          c.target_cache.with_lengths(state.seq_len - 1))
             logits = self._c(o.logits, _LOGITS)[:, 0]
             lp = self._c(process_rows(logits, params, state.counts, use_penalties,
-                                      top_values=self._top_values), ("batch", "vocab"))
+                                      allowed=controls.allowed_at(state.gen_len),
+                                      bias=controls.bias_at(2), top_values=self._top_values),
+                         ("batch", "vocab"))
             x = sample_rows(jax.vmap(lambda kk: keys.derive(kk, t, keys.TARGET, 0))(row_keys), lp)
             err = jnp.any(jnp.isnan(lp), axis=-1)
             state, _ = state.commit(x[:, None], jnp.ones((b,), jnp.int32), stop_ids, max_new, err)
-            return (self._c_state(state), self._c_cache(o.cache.with_lengths(state.seq_len - 1)),
-                    t + 1)
+            return ARCarry(state=self._c_state(state),
+                           target_cache=self._c_cache(o.cache.with_lengths(state.seq_len - 1)),
+                           round=t + 1)
 
-        state, _, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body,
-                                         (state, tcache, jnp.int32(0)))
-        return self._c_out(_outputs(state, out_cap))
+        def more(c: ARCarry):
+            go = ~jnp.all(c.state.done)
+            return go if until is None else go & (c.round < until)
+
+        return jax.lax.while_loop(more, body, carry)
+
+    def _advance_program(self, carry, target_params, row_keys, params, controls, max_new, stop_ids,
+                         use_penalties, until) -> "ARCarry":
+        return self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
+                          use_penalties, until)
+
+    def _finish_program(self, carry: "ARCarry", out_cap: int) -> dict:
+        return self._c_out(_outputs(carry.state, out_cap))
+
+    @staticmethod
+    def _advance_inputs(args) -> tuple:
+        """``_call_args``' arguments that the loop reads (all but the prompts and lengths)."""
+        return args[:1] + args[3:]
 
     def prepare(self, prompts, **kwargs) -> Batch:
         return prepare_batch(prompts, self.target, **kwargs)
 
     def _call_args(self, batch: Batch, greedy: bool = False):
+        if greedy:  # temperature 0 for every row (the same program: it is a value)
+            t = np.zeros(np.shape(batch.params.temperature), np.float32)
+            batch = dataclasses.replace(batch, params=batch.params.replace(temperature=t))
         args = (self._placed(self.target.params, "target"), *self._device_inputs(batch))
-        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len, greedy=bool(greedy))
+        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len)
 
-    def generate(self, prompts, *, keys=None, seed=None, row_indices=None, sampling_params=None,
-                 max_new_tokens=64, stop_tokens=None, greedy=False, raise_on_error=True) -> GenerateOutput:
-        batch = self.prepare(prompts, keys=keys, seed=seed, row_indices=row_indices,
-                             sampling_params=sampling_params, max_new_tokens=max_new_tokens,
-                             stop_tokens=stop_tokens)
+    def generate(self, prompts, *, greedy=False, raise_on_error=True, **kwargs) -> GenerateOutput:
+        """As :meth:`SpeculativeEngine.generate`; ``greedy``: temperature 0 for every row."""
+        batch = self.prepare(prompts, **kwargs)
         res = self._execute(batch, greedy=greedy)
         return _to_output(res, with_stats=False, raise_on_error=raise_on_error, rows=batch.size)
+
+    def stream(self, prompts, *, chunk: int = 8, greedy=False, raise_on_error=True,
+               **kwargs) -> "TokenStream":
+        """As :meth:`SpeculativeEngine.stream` (``chunk``: decoding steps per chunk)."""
+        batch = self.prepare(prompts, **kwargs)
+        return TokenStream(self._stream(batch, chunk, dict(greedy=greedy), False, raise_on_error))
 
     def compile(self, prompts, *, greedy=False, **kwargs) -> None:
         """As :meth:`SpeculativeEngine.compile`."""

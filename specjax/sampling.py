@@ -5,7 +5,9 @@ order of steps, so the law the verifier sees for the draft (q) and the target (p
 law each side really samples from.  The order is fixed:
 
 1. cast to float32;
-2. ``allowed`` mask: tokens with ``allowed == False`` get logit ``-inf``;
+2. logit ``bias`` (added to the raw logits), then the ``allowed`` mask: tokens with
+   ``allowed == False`` get logit ``-inf`` (banned tokens, an allowed-token set, and stop
+   tokens before ``min_new_tokens``: :class:`Controls` builds both per row and position);
 3. repetition penalty (CTRL / HF rule): for tokens seen in the history
    (``counts > 0``), a logit ``> 0`` is divided by the penalty, any other is multiplied;
 4. presence penalty: ``presence_penalty`` is subtracted from the logit of every seen token;
@@ -44,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "SamplingConfig", "process_logits", "process_rows", "sample",
+__all__ = ["SamplingParams", "SamplingConfig", "Controls", "make_controls", "process_logits", "process_rows", "sample",
            "sample_rows", "draw_single", "at_most_one_possible", "gumbel"]
 
 Scalar = Union[float, int]
@@ -173,6 +175,117 @@ class SamplingConfig:
         return SamplingParams.create(batch_size, **dataclasses.asdict(self))
 
 
+@flax.struct.dataclass
+class Controls:
+    """Per-row generation controls, applied by the one pipeline to draft and target alike
+    (so the target law is the controlled one, and speculation stays exact for it).
+
+    ``min_new`` int32[B]: stop tokens (``stop_mask`` bool[V]) are excluded while fewer than
+    that many tokens have been generated; ``allowed`` bool[B, V] or None: only these tokens
+    (banned tokens are folded in as ``False``); ``bias`` float32[B, V] or None: added to the
+    logits. Whether ``allowed`` / ``bias`` are present is part of the program's structure (a
+    run with them compiles its own program); their values and ``min_new`` are data.
+    Build it with :func:`make_controls` (validated on the host)."""
+
+    min_new: jax.Array
+    stop_mask: jax.Array
+    allowed: Optional[jax.Array] = None
+    bias: Optional[jax.Array] = None
+
+    def allowed_at(self, gen_index) -> jax.Array:
+        """The ``allowed`` argument of :func:`process_logits` for logits generated at
+        ``gen_index`` (int32[B] or [B, T]: how many tokens each row had generated before the
+        token being drawn) -> bool[B, V] or [B, T, V]."""
+        gen_index = jnp.asarray(gen_index)
+        extra = gen_index.ndim - 1
+        early = gen_index < self.min_new.reshape(self.min_new.shape + (1,) * extra)
+        ok = ~(self.stop_mask & early[..., None])
+        if self.allowed is not None:
+            ok = ok & self.allowed.reshape(self.allowed.shape[:1] + (1,) * extra + self.allowed.shape[1:])
+        return ok
+
+    def bias_at(self, ndim: int):
+        """``bias`` lined up with [B, V] (ndim 2) or [B, T, V] (ndim 3) logits, or None."""
+        if self.bias is None:
+            return None
+        return self.bias.reshape(self.bias.shape[:1] + (1,) * (ndim - 2) + self.bias.shape[1:])
+
+
+def _token_ids(name: str, ids, vocab_size: int) -> np.ndarray:
+    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(f"{name}: token ids must be integers in [0, {vocab_size}), got {arr.tolist()}")
+    return arr.astype(np.int64).reshape(-1)
+
+
+def _per_row_tokens(name: str, value, batch: int, vocab_size: int) -> np.ndarray:
+    """Token ids for every row (a flat list) or per row (a list of B lists) -> bool[B, V]."""
+    out = np.zeros((batch, vocab_size), bool)
+    rows = list(value)
+    per_row = len(rows) == batch and all(isinstance(r, (list, tuple, np.ndarray)) for r in rows)
+    for b in range(batch):
+        out[b, _token_ids(name, rows[b] if per_row else rows, vocab_size)] = True
+    return out
+
+
+def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens=0,
+                  banned_tokens=None, allowed_tokens=None, logit_bias=None) -> Controls:
+    """Host-side construction and checks of :class:`Controls` (ValueError on bad input).
+
+    ``min_new_tokens``: an int or one per row; ``banned_tokens`` / ``allowed_tokens``: token
+    ids for all rows or one list per row, or a bool array [V] / [B, V] (``allowed_tokens``
+    only); ``logit_bias``: ``{token id: bias}`` for all rows, a list of such dicts (one per
+    row), or a float array [V] / [B, V]. Every row must keep at least one token possible
+    (and one that is not a stop token when ``min_new_tokens`` > 0)."""
+    b, v = int(batch), int(vocab_size)
+    min_new = np.broadcast_to(np.asarray(min_new_tokens), (b,))
+    if min_new.dtype.kind not in "iu" or (min_new < 0).any():
+        raise ValueError(f"min_new_tokens must be integers >= 0, got {np.asarray(min_new_tokens).tolist()}")
+    stop_mask = np.zeros((v,), bool)
+    stop_mask[_token_ids("stop_tokens", list(stop_tokens or ()), v)] = True
+    allowed = None
+    if allowed_tokens is not None:
+        a = np.asarray(allowed_tokens) if isinstance(allowed_tokens, np.ndarray) else None
+        if a is not None and a.dtype == bool:
+            if a.shape not in ((v,), (b, v)):
+                raise ValueError(f"allowed_tokens mask must have shape ({v},) or ({b}, {v}), got {a.shape}")
+            allowed = np.broadcast_to(a, (b, v)).copy()
+        else:
+            allowed = _per_row_tokens("allowed_tokens", allowed_tokens, b, v)
+    if banned_tokens is not None:
+        banned = _per_row_tokens("banned_tokens", banned_tokens, b, v)
+        allowed = (np.ones((b, v), bool) if allowed is None else allowed) & ~banned
+    bias = None
+    if logit_bias is not None:
+        if isinstance(logit_bias, dict) or (isinstance(logit_bias, (list, tuple)) and logit_bias
+                                            and all(isinstance(d, dict) for d in logit_bias)):
+            dicts = [logit_bias] * b if isinstance(logit_bias, dict) else list(logit_bias)
+            if len(dicts) != b:
+                raise ValueError(f"logit_bias: {len(dicts)} dicts for {b} rows")
+            bias = np.zeros((b, v), np.float32)
+            for r, d in enumerate(dicts):
+                ids = _token_ids("logit_bias", list(d.keys()), v)
+                bias[r, ids] = np.asarray(list(d.values()), np.float64)
+        else:
+            arr = np.asarray(logit_bias, np.float64)
+            if arr.shape not in ((v,), (b, v)):
+                raise ValueError(f"logit_bias array must have shape ({v},) or ({b}, {v}), got {arr.shape}")
+            bias = np.broadcast_to(arr, (b, v)).astype(np.float32)
+        if not np.isfinite(bias).all():
+            raise ValueError("logit_bias values must be finite (ban a token with banned_tokens)")
+    if allowed is not None:
+        empty = ~allowed.any(axis=1)
+        if empty.any():
+            raise ValueError(f"row {int(np.flatnonzero(empty)[0])}: no token is allowed")
+        no_go = (min_new > 0) & ~(allowed & ~stop_mask).any(axis=1)
+        if no_go.any():
+            raise ValueError(f"row {int(np.flatnonzero(no_go)[0])}: min_new_tokens > 0 but only stop "
+                             "tokens are allowed")
+    return Controls(min_new=jnp.asarray(min_new.astype(np.int32)), stop_mask=jnp.asarray(stop_mask),
+                    allowed=None if allowed is None else jnp.asarray(allowed),
+                    bias=None if bias is None else jnp.asarray(bias))
+
+
 # --------------------------------------------------------------------------------------
 # The pipeline
 # --------------------------------------------------------------------------------------
@@ -293,12 +406,13 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     return jnp.maximum(t_k, t_p)
 
 
-def process_logits(logits, params: SamplingParams, counts=None, allowed=None,
+def process_logits(logits, params: SamplingParams, counts=None, allowed=None, bias=None,
                    top_values: TopValues = None) -> jax.Array:
     """Logits [..., V] (any float dtype) -> float32 normalized log-probs [..., V].
 
     ``params`` fields, ``counts`` (int[..., V], occurrences of each token in the
-    history) and ``allowed`` (bool[..., V] or [V]) are aligned with the LEADING axes of
+    history), ``allowed`` (bool[..., V] or [V]) and ``bias`` (float[..., V] or [V], added
+    to the logits) are aligned with the LEADING axes of
     the logits: a ``[B]`` field with ``[B, T, V]`` logits applies to all T positions of
     row b (numpy broadcasting is the special case of equal rank).  Excluded tokens get
     ``-inf``.  See the module docstring for the order of steps and the filter rules.
@@ -319,6 +433,8 @@ def process_logits(logits, params: SamplingParams, counts=None, allowed=None,
     top_p = row(params.top_p, jnp.float32)
     min_p = row(params.min_p, jnp.float32)
 
+    if bias is not None:
+        x = x + _lead_vocab(bias, nb).astype(jnp.float32)
     if allowed is not None:
         x = jnp.where(_lead_vocab(allowed, nb), x, _NEG_INF)
     if counts is not None:
@@ -422,7 +538,7 @@ def _bcast(params, ndim_extra: int):
     return jax.tree.map(lambda a: a.reshape(a.shape + (1,) * ndim_extra), params)
 
 
-def process_rows(logits, params, counts, use_penalties, allowed=None,
+def process_rows(logits, params, counts, use_penalties, allowed=None, bias=None,
                  top_values: TopValues = None):
     """The one sampling pipeline applied to [B, V] or [B, T, V] logits.
 
@@ -435,10 +551,10 @@ def process_rows(logits, params, counts, use_penalties, allowed=None,
 
     def with_pen(_):
         c = counts() if callable(counts) else counts
-        return process_logits(logits, p, counts=c, allowed=allowed, top_values=top_values)
+        return process_logits(logits, p, counts=c, allowed=allowed, bias=bias, top_values=top_values)
 
     def without_pen(_):
-        return process_logits(logits, p, counts=None, allowed=allowed, top_values=top_values)
+        return process_logits(logits, p, counts=None, allowed=allowed, bias=bias, top_values=top_values)
 
     return jax.lax.cond(use_penalties, with_pen, without_pen, None)
 

@@ -46,3 +46,46 @@ def histogram(tokens, v: int, n: int) -> np.ndarray:
     """Counts of each N-token outcome, indexed like :func:`exact_chain_law`."""
     idx = audit.sequence_index(np.asarray(tokens, np.int64)[:, :n], v)
     return np.bincount(idx, minlength=v ** n)
+
+
+def exact_controlled_law(model, prompt, n: int, cfg: sampling.SamplingConfig, stop: int,
+                         **controls) -> np.ndarray:
+    """As :func:`exact_chain_law` with generation controls (``specjax.sampling.make_controls``
+    arguments) and a stop token that ends the generation: the law of the N-token outcome
+    where every position after the first ``stop`` is 0 (see :func:`pad_after_stop`).
+
+    Each full sequence is weighted by the product of its per-position probabilities (past a
+    stop the factors are the model's continuation, which sums to 1 over the tail), then
+    mapped to its outcome, so outcome probabilities are prefix probabilities up to the stop."""
+    v = model.vocab_size
+    prompt = np.asarray(prompt, np.int32)
+    p = prompt.size
+    seqs_all = np.array(list(itertools.product(range(v), repeat=n)), np.int32)  # [V^n, n]
+    m = seqs_all.shape[0]
+    seqs = np.concatenate([np.tile(prompt, (m, 1)), seqs_all[:, :-1]], axis=1)
+    cache = model.init_cache(m, seqs.shape[1] + 1)
+    logits = model.apply(model.params, jnp.asarray(seqs), cache).logits[:, p - 1:, :]  # [M, n, V]
+    ctl = sampling.make_controls(m, v, stop_tokens=[stop], **{
+        k: (np.broadcast_to(np.asarray(a), (m,) + np.shape(a)) if k == "min_new_tokens" else a)
+        for k, a in controls.items()})
+    params = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (m, n)), cfg.to_params(m))
+    gen_index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (m, n))
+    lp = np.asarray(sampling.process_logits(logits, params, allowed=ctl.allowed_at(gen_index),
+                                            bias=ctl.bias_at(3)), np.float64)
+    with np.errstate(invalid="ignore"):
+        logp = sum(lp[np.arange(m), i, seqs_all[:, i]] for i in range(n))
+    w = np.exp(logp)
+    idx = audit.sequence_index(pad_after_stop(seqs_all, stop, n), v)
+    return np.bincount(idx, weights=w, minlength=v ** n)
+
+
+def pad_after_stop(rows, stop: int, n: int) -> np.ndarray:
+    """[R, n] int array from token lists: positions after each row's first ``stop`` (and
+    past its end) are 0."""
+    out = np.zeros((len(rows), n), np.int64)
+    for r, row in enumerate(rows):
+        row = list(row)[:n]
+        if stop in row:
+            row = row[: row.index(stop) + 1]
+        out[r, : len(row)] = row
+    return out

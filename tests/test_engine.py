@@ -19,7 +19,7 @@ from specjax import build, engine, sampling
 from specjax.drafts import DraftModelProposer, PromptLookupProposer
 from specjax.sampling import process_rows, sample_rows
 from specjax.audit import chi_square_test
-from tests.engine_law import exact_chain_law, histogram
+from tests.engine_law import exact_chain_law, exact_controlled_law, histogram, pad_after_stop
 
 V = 8
 ROWS = 100_000
@@ -89,8 +89,8 @@ class _StalePenaltyCounts(engine.SpeculativeEngine):
 class _DraftWithOtherSettings(DraftModelProposer):
     """Samples draft tokens at a different temperature than the q it reports."""
 
-    def draw(self, keys, logits, counts, ctx):
-        lp = process_rows(logits, ctx.params, counts, ctx.use_penalties)
+    def draw(self, keys, logits, counts, ctx, position):
+        lp = ctx.process(logits, counts, position)
         hot = ctx.params.replace(temperature=ctx.params.temperature * 2.0)
         x = sample_rows(keys, process_rows(logits, hot, counts, ctx.use_penalties))
         return x, lp
@@ -111,6 +111,68 @@ def test_engine_mutants_fail_the_law_test(target, draft, mutant):
     hist = _engine_hist(eng, cfg, n)
     chi = chi_square_test(hist, law)
     assert chi.p_value < 1e-6, f"mutant {mutant} passed the law test (p={chi.p_value:.3g}); the test has no power"
+
+
+# generation controls: min_new_tokens (the stop token 0 is masked before 2 tokens), an
+# allowed set, a banned token and a logit bias, through the one pipeline for both models
+STOP = 0
+CONTROLS = dict(min_new_tokens=2, allowed_tokens=[0, 1, 2, 3, 5, 6], banned_tokens=[5],
+                logit_bias={0: 1.0, 3: 0.5})
+
+
+class _MinNewAtRoundStart(engine.SpeculativeEngine):
+    @staticmethod
+    def generated_before(gen_len, k):
+        # every scored position evaluated as if it were the round's first
+        return jnp.broadcast_to(gen_len[:, None], (gen_len.shape[0], k + 1))
+
+
+def _controlled_hist(eng, cfg, n, rows=40_000, chunk=40_000):
+    hist = np.zeros(V ** n, np.int64)
+    for start in range(0, rows, chunk):
+        out = eng.generate([PROMPT] * chunk, seed=0, row_indices=np.arange(start, start + chunk),
+                           sampling_params=cfg, max_new_tokens=n, stop_tokens=[STOP], **CONTROLS)
+        hist += histogram(pad_after_stop(out.tokens, STOP, n), V, n)
+    return hist
+
+
+@pytest.fixture(scope="module")
+def controlled_law(target):
+    return exact_controlled_law(target, PROMPT, 4, CASES["t1"], STOP, **CONTROLS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["token", "autoregressive", "mutant_min_new_at_round_start"])
+def test_generation_controls_law(target, draft, controlled_law, variant):
+    k, n = 2, 4
+    cfg = CASES["t1"]
+    law = controlled_law
+    assert abs(law.sum() - 1) < 1e-5
+    stop_early = sum(law[i] for i in range(V ** n) if STOP in np.unravel_index(i, (V,) * n)[:2])
+    assert stop_early < 1e-12 and law.reshape((V,) * n)[:, :, STOP].sum() > 0.1  # the test has power
+    if variant == "autoregressive":
+        eng = build.make_autoregressive_engine(target)
+    elif variant == "token":
+        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, k), "token")
+    else:
+        eng = _MinNewAtRoundStart(target, DraftModelProposer(draft, k), "token")
+    chi = chi_square_test(_controlled_hist(eng, cfg, n), law)
+    if variant.startswith("mutant"):
+        assert chi.p_value < 1e-6, f"the mutant passed (p={chi.p_value:.3g}): the test has no power"
+    else:
+        assert chi.p_value > ALPHA_SIG, f"{variant}: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
+
+
+def test_generation_controls_are_checked():
+    tgt = LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=1)
+    eng = build.make_autoregressive_engine(tgt)
+    bad = [dict(banned_tokens=[V]), dict(allowed_tokens=[]), dict(min_new_tokens=-1),
+           dict(logit_bias={1: float("inf")}), dict(logit_bias={-1: 1.0}),
+           dict(allowed_tokens=[STOP], min_new_tokens=1, stop_tokens=[STOP]),
+           dict(banned_tokens=list(range(V)))]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            eng.generate([PROMPT], seed=0, max_new_tokens=2, **kw)
 
 
 def test_autoregressive_law_matches(target):
@@ -378,3 +440,70 @@ def test_feature_proposer_gets_the_right_hidden_states():
     st = out.raw["proposer_state"]
     assert np.all(np.asarray(st["checks"]) > 0)
     assert np.all(np.asarray(st["mismatch"]) == 0), np.asarray(st["mismatch"])
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize("which", ["speculative", "autoregressive"])
+def test_stream_yields_the_same_tokens_as_generate(which):
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2), seed=1)
+    dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1), seed=2)
+    eng = build.make_engine(tgt, dft, 3) if which == "speculative" else build.make_autoregressive_engine(tgt)
+    prompts = [[4, 5, 6], [1, 2], [7, 8, 9, 10, 11], [60, 61]]
+    kw = dict(seed=3, sampling_params=sampling.SamplingConfig(temperature=3.0),
+              max_new_tokens=[20, 35, 9, 30], stop_tokens=[25, 20])
+    ref = eng.generate(prompts, **kw)
+    assert any(ref.finished_by_stop) and len({len(t) for t in ref.tokens}) > 2  # ragged
+    for chunk in (1, 3):
+        st = eng.stream(prompts, chunk=chunk, **kw)
+        got, chunks = [[] for _ in prompts], 0
+        for new in st:
+            chunks += 1
+            assert len(new) == len(prompts)
+            for i, x in enumerate(new):
+                got[i] += x
+        assert got == ref.tokens
+        assert st.output.tokens == ref.tokens and st.output.finished_by_stop == ref.finished_by_stop
+        if which == "speculative":
+            assert [s.rounds for s in st.output.stats] == [s.rounds for s in ref.stats]
+            assert chunks == -(-max(s.rounds for s in ref.stats) // chunk)
+    with pytest.raises(ValueError, match="chunk"):
+        eng.stream(prompts, chunk=0, **kw).run()
+
+
+# ---------------------------------------------------------------------------- long prompts
+
+
+def test_chunked_prefill_equals_one_forward():
+    from specjax.models.base import prefill
+
+    m = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2), seed=4)
+    rng = np.random.default_rng(0)
+    toks = jnp.asarray(rng.integers(0, 64, (3, 128)), jnp.int32)
+    lens = jnp.asarray([128, 70, 33], jnp.int32)  # 33: only three of the eight chunks run
+    one_c, one_h = prefill(m, m.params, toks, lens, m.init_cache(3, 160), chunk=128, return_hidden=True)
+    ch_c, ch_h = jax.jit(lambda p, t, l, c: prefill(m, p, t, l, c, chunk=16, return_hidden=True))(
+        m.params, toks, lens, m.init_cache(3, 160))
+    for b, n in enumerate(np.asarray(lens)):
+        np.testing.assert_allclose(ch_c.k[:, b, :, :n], one_c.k[:, b, :, :n], atol=1e-5)
+        np.testing.assert_allclose(ch_c.v[:, b, :, :n], one_c.v[:, b, :, :n], atol=1e-5)
+        np.testing.assert_allclose(ch_h[b, :n], one_h[b, :n], atol=1e-4)
+    # the chunks past the longest prompt are skipped (the last rows stay as initialised)
+    short = jnp.asarray([20, 20, 20], jnp.int32)
+    c2, _ = prefill(m, m.params, toks, short, m.init_cache(3, 160), chunk=16)
+    assert not np.asarray(c2.k[:, :, :, 32:]).any() and np.asarray(c2.k[:, :, :, 16:32]).any()
+
+
+def test_engines_with_a_small_prefill_chunk_give_the_same_greedy_tokens():
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (70, 17, 40)]
+    kw = dict(seed=0, sampling_params=sampling.SamplingConfig(temperature=0.0), max_new_tokens=24)
+    base = engine.AutoregressiveEngine(tgt).generate(prompts, **kw).tokens
+    for eng in (engine.AutoregressiveEngine(tgt, prefill_chunk=16),
+                engine.SpeculativeEngine(tgt, DraftModelProposer(dft, 3), prefill_chunk=16)):
+        assert eng.generate(prompts, **kw).tokens == base
+    with pytest.raises(ValueError, match="power of two"):
+        engine.AutoregressiveEngine(tgt, prefill_chunk=24)

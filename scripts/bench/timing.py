@@ -99,6 +99,7 @@ class StepTimer:
         seq = jnp.asarray(seq)
         sp = sampling.SamplingConfig(temperature=1.0).to_params(batch)
         counts = jnp.zeros((batch, v), jnp.int32)
+        controls = sampling.make_controls(batch, v)  # as the engine passes them (min_new 0)
         keys = jax.random.split(jax.random.key(0), batch)
         for k in ks:
             prop = make_proposer(draft, k, v)
@@ -112,7 +113,8 @@ class StepTimer:
                 st, acc = carry
                 ctx = ProposeContext(seq=seq, seq_len=jnp.full((batch,), fill, jnp.int32) + (i % 2), params=sp,
                                      counts=counts, round_keys=jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys),
-                                     use_penalties=jnp.asarray(False))
+                                     use_penalties=jnp.asarray(False),
+                                     gen_len=jnp.zeros((batch,), jnp.int32), controls=controls)
                 out = prop.propose(prop.params, st, ctx)
                 return out.state, acc + out.tokens[:, 0] + out.num_draft
 

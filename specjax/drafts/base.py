@@ -21,8 +21,8 @@ The full step is always correct, so the flag changes speed only, never the outpu
 Exactness never depends on the proposer: only the verifier's maths does. What the
 proposer must guarantee is that ``tokens[b, i]`` was drawn from ``exp(logprobs[b, i])``
 (a deterministic proposer reports a point mass), through the shared pipeline
-(``specjax.sampling.process_rows`` with the context's parameters, counts and
-``top_values``) so that q is processed exactly like the target's p.
+(:meth:`ProposeContext.process`: the context's parameters, counts, ``top_values`` and
+generation controls) so that q is processed exactly like the target's p.
 """
 from __future__ import annotations
 
@@ -44,6 +44,22 @@ class ProposeContext(NamedTuple):
     # how the sampling pipeline finds each row's largest values (None: lax.top_k; a
     # sharded run passes its vocabulary-sharded version): pass it to process_rows
     top_values: Optional[Callable] = None
+    gen_len: Optional[jax.Array] = None  # int32[B] tokens generated so far (None: 0)
+    controls: Any = None  # specjax.sampling.Controls of the call (None: no controls)
+
+    def process(self, logits, counts, position: int):
+        """The shared pipeline for the draft's [B, V] logits at draft ``position`` (0-based):
+        the sampling parameters, penalties (``counts`` [B, V]: history including the drafts
+        before this position) and the generation controls at generated-token index
+        ``gen_len + position``, exactly as the target gets them at that position."""
+        from specjax.sampling import process_rows
+
+        allowed = bias = None
+        if self.controls is not None:
+            gen = jnp.zeros_like(self.seq_len) if self.gen_len is None else self.gen_len
+            allowed, bias = self.controls.allowed_at(gen + position), self.controls.bias_at(2)
+        return process_rows(logits, self.params, counts, self.use_penalties, allowed=allowed,
+                            bias=bias, top_values=self.top_values)
 
 
 class CommitContext(NamedTuple):

@@ -9,7 +9,7 @@ the state; its logits through the target's head are the draft law of ``x_1``.
 * ``init``: feed the prompt's pairs (t < c-1) from the prefill hidden states;
 * ``propose``: draw x_1 from the kept prediction, then K-1 steps that feed
   ``(h_hat, x_i)`` (the head's OWN predicted feature) to get x_{i+1}; every draw goes through
-  the shared pipeline (``process_rows`` / ``sample_rows``) with keys DRAFT + position, so the
+  the shared pipeline (``ProposeContext.process`` / ``sample_rows``) with keys DRAFT + position, so the
   reported q is the law the token was drawn from;
 * ``commit``: roll the cache back to the pairs before the round (lengths), and feed the
   round's K+1 pairs with the TRUE target features (only ``num_new`` are valid; the rest
@@ -32,7 +32,7 @@ from specjax.drafts.base import (
     draft_chain,
 )
 from specjax.keys import DRAFT, position_key, role_key
-from specjax.sampling import process_rows, sample_rows
+from specjax.sampling import sample_rows
 
 
 def _take_rows(x, idx):
@@ -69,8 +69,7 @@ class EagleProposer(ModelBackedProposer):
 
         def draw(h, counts, i):
             ks = jax.vmap(lambda k: position_key(k, i))(draft_keys)
-            lp = process_rows(m.full_logits(h), ctx.params, counts, ctx.use_penalties,
-                              top_values=ctx.top_values)
+            lp = ctx.process(m.full_logits(h), counts, i)
             if tm is None:
                 return sample_rows(ks, lp), lp
             # q is 0 outside the scored tokens (the pipeline keeps -inf at -inf), so drawing

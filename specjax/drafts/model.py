@@ -23,7 +23,8 @@ from specjax.drafts.base import (
     ProposeContext,
     draft_chain,
 )
-from specjax.sampling import process_rows, sample_rows
+from specjax.models.base import prefill
+from specjax.sampling import sample_rows
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -39,9 +40,9 @@ class DraftModelProposer(ModelBackedProposer):
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         b = prompt_tokens.shape[0]
         cache = self.model.init_cache(b, cache_len)
-        out = self.model.apply(params, prompt_tokens, cache)
+        cache, _ = prefill(self.model, params, prompt_tokens, prompt_lens, cache)
         # KV for s[:c-2] is what the round start expects (see the module docstring).
-        return out.cache.with_lengths(prompt_lens - 2)
+        return cache.with_lengths(prompt_lens - 2)
 
     def propose(self, params, state, ctx: ProposeContext) -> Proposal:
         cache = state.with_lengths(ctx.seq_len - 2)
@@ -54,7 +55,7 @@ class DraftModelProposer(ModelBackedProposer):
 
         def draw_at(logits, counts, i):
             ks = jax.vmap(lambda k: position_key(k, i))(draft_keys)
-            return self.draw(ks, logits, counts, ctx)
+            return self.draw(ks, logits, counts, ctx, i)
 
         def step(carry, i):
             cache, logits, counts = carry
@@ -68,11 +69,11 @@ class DraftModelProposer(ModelBackedProposer):
         b = tokens.shape[0]
         return Proposal(tokens, logprobs, jnp.full((b,), self.k, jnp.int32), cache)
 
-    def draw(self, keys, logits, counts, ctx):
+    def draw(self, keys, logits, counts, ctx, position):
         """Process [B, V] draft logits with the shared pipeline and sample one token per row.
 
         Returns the tokens and the log-probs they were drawn from (what the verifier sees)."""
-        lp = process_rows(logits, ctx.params, counts, ctx.use_penalties, top_values=ctx.top_values)
+        lp = ctx.process(logits, counts, position)
         return sample_rows(keys, lp), lp
 
     def commit(self, params, state, ctx: CommitContext):
