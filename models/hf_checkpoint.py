@@ -197,7 +197,8 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
 
 def save_hf(lm: LlamaLM, folder: str | os.PathLike, dtype: str = "float32", tokenizer=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (LlamaForCausalLM names); with a
-    :class:`specjax.models.tokenizer.Tokenizer`, also ``tokenizer.json``."""
+    :class:`specjax.models.tokenizer.Tokenizer`, also ``tokenizer.json`` and
+    ``tokenizer_config.json``."""
     from safetensors.numpy import save_file
 
     if dtype not in ("float32", "float16", "bfloat16"):
@@ -226,4 +227,17 @@ def save_hf(lm: LlamaLM, folder: str | os.PathLike, dtype: str = "float32", toke
         json.dump(hf_config(cfg, dtype), f, indent=2)
     if tokenizer is not None:
         tokenizer.hf.save(str(folder / "tokenizer.json"))
+        with open(folder / "tokenizer_config.json", "w") as f:
+            json.dump(tokenizer_config(tokenizer), f, indent=2)
     return folder
+
+
+def tokenizer_config(tokenizer) -> dict:
+    """``tokenizer_config.json`` for a :class:`specjax.models.tokenizer.Tokenizer` (what
+    ``Tokenizer.from_hf_folder`` and HF read: special tokens, the BOS rule, the template)."""
+    name = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
+    out = {"bos_token": name(tokenizer.bos_id), "eos_token": name(tokenizer.eos_id),
+           "pad_token": name(tokenizer.pad_id), "add_bos_token": bool(tokenizer.add_bos)}
+    if tokenizer.chat_template:
+        out["chat_template"] = tokenizer.chat_template
+    return {k: v for k, v in out.items() if v is not None}

@@ -13,7 +13,9 @@ the tests compare against.
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -53,6 +55,7 @@ class Tokenizer:
         special_ids: Sequence[int] = (),
         chat_template: Optional[str] = None,
         add_bos: bool = False,
+        extra_stop_ids: Sequence[int] = (),
     ):
         self.hf = hf
         self.bos_id = bos_id
@@ -64,7 +67,8 @@ class Tokenizer:
         self.add_bos = add_bos
         im_end = hf.token_to_id("<|im_end|>")
         eot = hf.token_to_id("<|endoftext|>")
-        self.stop_ids = tuple(sorted({i for i in (eos_id, im_end, eot) if i is not None}))
+        self.stop_ids = tuple(sorted({int(i) for i in (eos_id, im_end, eot, *extra_stop_ids)
+                                      if i is not None}))
         self.default_system_prompt = _default_system_prompt(chat_template)
 
     # -- construction ------------------------------------------------------------------
@@ -103,6 +107,47 @@ class Tokenizer:
             add_bos=bool(g("tokenizer.ggml.add_bos_token", False)),
         )
 
+    @classmethod
+    def from_hf_folder(cls, folder) -> "Tokenizer":
+        """The tokenizer of an HF checkpoint folder: ``tokenizer.json`` (required),
+        ``tokenizer_config.json`` (special tokens, BOS rule, chat template) and the EOS ids of
+        ``generation_config.json`` / ``config.json`` (all of them stop generation)."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{folder} has no tokenizer.json")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust error says what is wrong with the file
+            raise TokenizerError(f"{path}: not a tokenizer file ({str(e).splitlines()[0][:200]})") from None
+        tc, gc, mc = (_read_json(folder / n) for n in
+                      ("tokenizer_config.json", "generation_config.json", "config.json"))
+
+        def token_id(v):
+            content = v.get("content") if isinstance(v, dict) else v
+            return hf.token_to_id(content) if isinstance(content, str) else None
+
+        def ids(v):
+            return [int(x) for x in (v if isinstance(v, list) else [v]) if isinstance(x, int)]
+
+        eos_ids = ids(gc.get("eos_token_id")) + ids(mc.get("eos_token_id"))
+        eos = token_id(tc.get("eos_token"))
+        eos = eos if eos is not None else (eos_ids[0] if eos_ids else None)
+        if eos is None:
+            raise TokenizerError(f"{folder}: no end-of-sequence token (tokenizer_config.json eos_token "
+                                 "or generation_config.json eos_token_id)")
+        bos = token_id(tc.get("bos_token"))
+        if bos is None and ids(mc.get("bos_token_id")):
+            bos = ids(mc.get("bos_token_id"))[0]
+        add_bos = tc.get("add_bos_token")
+        if add_bos is None:  # the tokenizer's own post-processor decides (Llama 3 adds BOS)
+            add_bos = bos is not None and hf.encode("a", add_special_tokens=True).ids[:1] == [bos]
+        special = [i for i, t in hf.get_added_tokens_decoder().items() if t.special]
+        return cls(hf, bos_id=bos, eos_id=eos, pad_id=token_id(tc.get("pad_token")),
+                   unk_id=token_id(tc.get("unk_token")), special_ids=special,
+                   chat_template=tc.get("chat_template") if isinstance(tc.get("chat_template"), str) else None,
+                   add_bos=bool(add_bos), extra_stop_ids=eos_ids)
+
     # -- encode / decode ---------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -132,13 +177,23 @@ class Tokenizer:
         """Token ids of one user message in the chat template, ready for the reply."""
         return self.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
 
+    @property
+    def uses_chatml(self) -> bool:
+        """The chat template is ChatML (or there is none): built in, no jinja2 needed."""
+        return not self.chat_template or "<|im_start|>" in self.chat_template
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False):
         """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, with the
         template's default system message first when the conversation has none, and
-        ``<|im_start|>assistant\\n`` at the end if ``add_generation_prompt``."""
+        ``<|im_start|>assistant\\n`` at the end if ``add_generation_prompt``. Another
+        template (an HF folder's ``chat_template``) is rendered with jinja2, as HF does, and
+        its text is encoded without adding BOS again."""
         if isinstance(messages, dict):
             messages = [messages]
+        if not self.uses_chatml:
+            text = self.render_template(messages, add_generation_prompt)
+            return self.encode(text, add_bos=False) if tokenize else text
         parts = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -151,16 +206,28 @@ class Tokenizer:
         text = "".join(parts)
         return self.encode(text) if tokenize else text
 
-    def render_gguf_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Render the GGUF's own jinja template (needs jinja2); for checking the above."""
-        import jinja2
+    def render_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Render the file's own jinja chat template (needs jinja2), with the variables HF
+        templates use (``bos_token``, ``eos_token``, ``raise_exception``)."""
+        try:
+            import jinja2
+        except ImportError:
+            raise TokenizerError("this model's chat template needs jinja2 (pip install jinja2); "
+                                 "or give the prompt as raw text") from None
 
         if self.chat_template is None:
             raise TokenizerError("this tokenizer has no chat template")
+
+        def raise_exception(msg):
+            raise TokenizerError(f"chat template: {msg}")
+
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        tok = lambda i: "" if i is None else (self.id_to_token(i) or "")  # noqa: E731
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt
-        )
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), raise_exception=raise_exception)
+
+    render_gguf_template = render_template  # the name the template parity test uses
 
 
 def _default_system_prompt(template: Optional[str]) -> Optional[str]:
@@ -168,3 +235,48 @@ def _default_system_prompt(template: Optional[str]) -> Optional[str]:
         return None
     m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, flags=re.S)
     return m.group(1) if m and "messages[0]['role'] != 'system'" in template else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: {e}") from None
+    return d if isinstance(d, dict) else {}
+
+
+class TextStream:
+    """Incremental detokenization for streaming: :meth:`push` token ids as they come, get
+    back the text that is now final. Text is held back while it ends in an incomplete UTF-8
+    character (decoded as U+FFFD) until a later token completes it; :meth:`finish` drops
+    an incomplete character left at the end (a generation cut by its token limit).
+    ``drop_ids`` (e.g. the stop tokens) are not printed. The pieces joined equal
+    :meth:`text` of all the ids pushed."""
+
+    def __init__(self, tokenizer: "Tokenizer", drop_ids: Iterable[int] = ()):
+        self.tokenizer = tokenizer
+        self.drop = frozenset(int(i) for i in drop_ids)
+        self.ids: list = []
+        self._sent = 0  # characters of the decoded text already returned
+
+    def _stable(self) -> str:
+        return self.tokenizer.decode(self.ids).rstrip("\ufffd")
+
+    def push(self, ids: Iterable[int]) -> str:
+        self.ids += [int(i) for i in ids if int(i) not in self.drop]
+        text = self._stable()
+        out, self._sent = text[self._sent:], max(self._sent, len(text))
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text (nothing more will be pushed)."""
+        return self.push([])
+
+    @classmethod
+    def text(cls, tokenizer: "Tokenizer", ids: Iterable[int], drop_ids: Iterable[int] = ()) -> str:
+        """The whole text of ``ids`` as a stream would print it."""
+        s = cls(tokenizer, drop_ids)
+        return s.push(ids) + s.finish()

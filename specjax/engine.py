@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Optional
 
 import flax.struct
@@ -465,6 +466,17 @@ class _Sharded:
                 exe = self._compiled[sig] = getattr(self, program).lower(*args, **static).compile()
         return exe
 
+    def _stream_executables(self, args, static):
+        """The compiled ``_start``, ``_advance`` and ``_finish`` programs of a streamed run:
+        the last two are compiled for the carry as ``_start`` lays it out (shapes, dtypes and
+        shardings), so that compiling needs no run."""
+        start = self._executable(args, static, "_start")
+        carry = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
+                             start.out_info, start.output_shardings)
+        advance = self._executable((carry, *self._advance_inputs(args), np.int32(0)), {}, "_advance")
+        finish = self._executable((carry,), dict(out_cap=static["out_cap"]), "_finish")
+        return start, advance, finish
+
     def _stream(self, batch: Batch, chunk: int, static_opts: dict, with_stats: bool,
                 raise_on_error: bool):
         """Run ``batch`` in chunks of ``chunk`` loop iterations with the loop state kept on
@@ -474,15 +486,13 @@ class _Sharded:
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
         args, static = self._call_args(batch, **static_opts)
+        start, advance, finish = self._stream_executables(args, static)
+        rest = self._advance_inputs(args)
         with self._context():
-            carry = self._executable(args, static, "_start")(*args)
-            rest = self._advance_inputs(args)
-            until = jnp.int32(0)
+            carry = start(*args)
             seen = [0] * batch.size
-            while True:
-                until = until + chunk
-                adv_args = (carry, *rest, until)
-                carry = self._executable(adv_args, {}, "_advance")(*adv_args)
+            for until in itertools.count(chunk, chunk):
+                carry = advance(carry, *rest, np.int32(until))
                 st = jax.device_get(dict(out=carry.state.out, gen_len=carry.state.gen_len,
                                          done=carry.state.done))
                 new = [st["out"][i, seen[i]: st["gen_len"][i]].tolist() for i in range(batch.size)]
@@ -490,7 +500,7 @@ class _Sharded:
                 yield new
                 if st["done"].all():
                     break
-            res = self._finish(carry, out_cap=batch.out_cap)
+            res = finish(carry)
         return _to_output(res, with_stats=with_stats, raise_on_error=raise_on_error, rows=batch.size)
 
     def _execute(self, batch: Batch, **opts) -> dict:
@@ -820,11 +830,13 @@ class SpeculativeEngine(_Sharded):
         batch = self.prepare(prompts, **kwargs)
         return TokenStream(self._stream(batch, chunk, {}, True, raise_on_error))
 
-    def compile(self, prompts, **kwargs) -> None:
+    def compile(self, prompts, *, stream: bool = False, **kwargs) -> None:
         """Compile the program :meth:`generate` runs for these arguments (the same shapes and
         static settings: buckets, not values) without running it, so that such a
-        ``generate`` then spends its time decoding."""
-        self._executable(*self._call_args(self.prepare(prompts, **kwargs)))
+        ``generate`` then spends its time decoding; ``stream=True``: the programs of
+        :meth:`stream` instead."""
+        args, static = self._call_args(self.prepare(prompts, **kwargs))
+        self._stream_executables(args, static) if stream else self._executable(args, static)
 
     def lower(self, prompts, **kwargs):
         """Ahead-of-time: ``jax.jit(...).lower`` of the program ``generate`` would run with
@@ -940,6 +952,7 @@ class AutoregressiveEngine(_Sharded):
         batch = self.prepare(prompts, **kwargs)
         return TokenStream(self._stream(batch, chunk, dict(greedy=greedy), False, raise_on_error))
 
-    def compile(self, prompts, *, greedy=False, **kwargs) -> None:
+    def compile(self, prompts, *, greedy=False, stream: bool = False, **kwargs) -> None:
         """As :meth:`SpeculativeEngine.compile`."""
-        self._executable(*self._call_args(self.prepare(prompts, **kwargs), greedy))
+        args, static = self._call_args(self.prepare(prompts, **kwargs), greedy)
+        self._stream_executables(args, static) if stream else self._executable(args, static)

@@ -29,8 +29,19 @@ from specjax import cli
     (["generate", "hi", "--draft", "eagle2"], "--draft: draft 'eagle2': expected default, lookup"),
     (["generate", "hi", "--draft", "/nonexistent/draft.npz"], "--draft: draft '/nonexistent/draft.npz'"),
     (["generate", "hi", "--compare", "--repeats", "0"], "--repeats must be >= 1"),
-    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "expected an existing .gguf file"),
-    (["generate", "hi", "--model", "configs"], "expected an existing .gguf file"),
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "no such .gguf file"),
+    (["generate", "hi", "--model", "configs"], "an HF checkpoint folder needs config.json"),
+    (["generate", "hi", "--model", "llama3-1b-shape"], "has no checkpoint"),
+    (["generate", "hi", "--model", "no-such-preset"], "expected a .gguf file, an HF checkpoint folder"),
+    (["generate", "hi", "--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
+    (["generate", "hi", "--min-new-tokens", "9", "--max-new-tokens", "8"], "exceeds --max-new-tokens"),
+    (["generate", "hi", "--ban", "1,x"], "--ban: expected comma-separated token ids"),
+    (["generate", "hi", "--allow", ","], "--allow: no token id given"),
+    (["generate", "hi", "--logit-bias", "5"], "--logit-bias: expected ID=BIAS"),
+    (["generate", "hi", "--logit-bias", "5=inf"], "--logit-bias: expected ID=BIAS"),
+    (["generate", "hi", "--ban", "49152"], "--ban: token ids must be in [0, 49152)"),
+    (["generate", "hi", "--logit-bias=-1=2"], "--logit-bias: token ids must be in [0, 49152)"),
+    (["generate", "hi", "--allow", "2", "--min-new-tokens", "1"], "only stop tokens are allowed"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
@@ -129,3 +140,57 @@ def test_prompt_longer_than_context_and_real_run(tmp_path):
     assert report["passes"] == 2 and lo <= report["speedup"] <= hi
     assert "<|im_end|>" not in report["texts"][0]
     assert "[specjax] compiling the speculative program" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny random model with SmolLM2's tokenizer, saved as an HF checkpoint folder with
+    a generation_config.json that recommends sampling settings."""
+    from specjax import models
+    from specjax.models.hf_checkpoint import save_hf
+    from specjax.models.llama import LlamaLM, tiny_config
+
+    tok = models.load_default_tokenizer()
+    m = LlamaLM.init(tiny_config(vocab_size=tok.vocab_size, n_layers=2, dim=32, max_position=512), seed=0)
+    folder = save_hf(m, tmp_path_factory.mktemp("hf") / "tiny", tokenizer=tok)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6,
+                                                               "top_p": 0.95}))
+    return folder
+
+
+@pytest.mark.real_model
+def test_hf_folder_model_streams_the_same_text_as_printed_at_the_end(hf_folder, capsys):
+    """--model takes an HF folder (its tokenizer and recommended sampling); the streamed text
+    is the text printed without streaming, and the summary says where the settings came from."""
+    argv = ["generate", "Tell me a story", "--model", str(hf_folder), "--max-new-tokens", "24",
+            "--min-new-tokens", "24", "--seed", "5", "--temperature", "5"]
+    texts = []
+    for extra in ([], ["--no-stream"]):
+        assert cli.main(argv + extra) == 0
+        out = capsys.readouterr().out
+        text, _, summary = out.partition("\n[specjax] sampling: ")
+        texts.append(text)
+        assert "temperature 5 (flag), top-p 0.95 (model), top-k 0 (default)" in summary
+        assert "controls: min_new_tokens=24" in summary
+    assert texts[0] == texts[1] and texts[0].strip()
+    assert "\ufffd" not in texts[0][-2:]  # no broken character at the end
+
+
+@pytest.mark.real_model
+def test_generation_controls_from_the_command_line(hf_folder, capsys):
+    """--ban / --allow / --logit-bias reach the engine: with --allow only those ids appear.
+    The draft is a model given by its path (here the same HF folder)."""
+    allow = [28, 29, 30, 31]
+    argv = ["generate", "hi", "--model", str(hf_folder), "--draft", str(hf_folder),
+            "--max-new-tokens", "12", "--json",
+            "--allow", ",".join(map(str, allow)), "--logit-bias", "28=3", "--seed", "1"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    from specjax.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_folder(hf_folder)
+    chars = {tok.decode([i]) for i in allow}
+    assert all(len(c) == 1 for c in chars)  # single characters, so the text shows the ids
+    assert report["texts"][0] and set(report["texts"][0]) <= chars
+    assert report["controls"] == {"allowed_tokens": allow, "logit_bias": {"28": 3.0}}
+    assert report["speculative"]["draft"] == str(hf_folder)

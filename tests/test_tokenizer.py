@@ -1,4 +1,6 @@
 """The SmolLM2 tokenizer rebuilt from GGUF metadata, and the ChatML template."""
+import json
+
 import pytest
 
 from specjax.models import gguf_loader
@@ -91,3 +93,54 @@ def test_unsupported_tokenizer_model():
     with pytest.raises(TokenizerError, match="unsupported pre-tokenizer 'qwen2'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
                                       "tokenizer.ggml.pre": "qwen2"})
+
+
+# ---------------------------------------------------------------------------- streaming text
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("text", [t for t in TEXTS if t and "<|" not in t])
+def test_text_stream_holds_back_incomplete_characters(tok, text):
+    """Token by token, the stream never prints a broken character, and the pieces join to
+    the decoded text (the stop token is dropped)."""
+    from specjax.models.tokenizer import TextStream
+
+    ids = tok.encode(text) + [tok.eos_id]
+    s = TextStream(tok, drop_ids=tok.stop_ids)
+    pieces = [s.push([i]) for i in ids] + [s.finish()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert TextStream.text(tok, ids, tok.stop_ids) == text
+
+
+@pytest.mark.real_model
+def test_text_stream_waits_for_a_split_character_and_drops_it_if_cut(tok):
+    from specjax.models.tokenizer import TextStream
+
+    ids = tok.encode("go 🚀")
+    assert "\ufffd" in tok.decode(ids[:-1])  # the rocket's bytes span several tokens
+    s = TextStream(tok)
+    assert s.push(ids[:-1]) == "go "  # the rocket is held back: it is not complete yet
+    assert s.push(ids[-1:]) == "🚀"
+    cut = TextStream(tok)
+    assert cut.push(ids[:-1]) + cut.finish() == "go "  # a generation cut mid-character
+
+
+@pytest.mark.real_model
+def test_tokenizer_from_an_hf_folder(tok, tmp_path):
+    from specjax.models.hf_checkpoint import tokenizer_config
+
+    tok.hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok)))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    t2 = Tokenizer.from_hf_folder(tmp_path)
+    for text in TEXTS:
+        assert t2.encode(text) == tok.encode(text)
+    assert t2.encode_user("hi") == tok.encode_user("hi")
+    assert t2.eos_id == tok.eos_id and set(t2.stop_ids) == set(tok.stop_ids) | {7}
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="not a tokenizer file"):
+        Tokenizer.from_hf_folder(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="has no tokenizer.json"):
+        Tokenizer.from_hf_folder(tmp_path)
