@@ -586,21 +586,49 @@ def sample_trees(rng: np.random.Generator, draft_table, parent, draw: str, num_r
     return tokens
 
 
+TREE_CHUNK = 4096  # trees per call of a jitted law or sampler (fixed shapes: one compile
+TREE_NODES = 16  # per function); trees are padded with invalid slots to a multiple of this
+
+
 def _tree_inputs(tokens, parent, target, reported, target_parent, dtype):
-    """The verifier's inputs for trees [T, N]: (tree, p_root, p_node)."""
+    """The verifier's inputs for trees [T, N] as numpy arrays ``(tree, p_root, p_node)``,
+    padded with invalid nodes to a multiple of ``TREE_NODES`` (root rows repeated)."""
     v = target.shape[1]
     parent = np.asarray(parent, np.int32)
     tp = parent if target_parent is None else np.asarray(target_parent, np.int32)
-    if not np.array_equal(_tree.shape_depths(tp), _tree.shape_depths(parent)):
+    depth = _tree.shape_depths(parent)
+    if not np.array_equal(_tree.shape_depths(tp), depth):
         raise ValueError("target_parent must give every node the same depth")
+    t, n = tokens.shape
+    pad = -n % TREE_NODES
     p = np.asarray(target, dtype)[tree_context_rows(tokens, tp, v)]
     q = np.asarray(reported, dtype)[tree_context_rows(tokens, parent, v)]
-    t, n = tokens.shape
+    p = np.concatenate([p, np.repeat(p[:, :1], pad, axis=1)], axis=1)
+    q = np.concatenate([q, np.repeat(q[:, :1], pad, axis=1)], axis=1)
+
+    def tile(row, fill):
+        return np.tile(np.concatenate([row, np.full(pad, fill, row.dtype)]), (t, 1))
+
     tree = _tree.DraftTree(
-        jnp.asarray(tokens, jnp.int32), jnp.asarray(np.broadcast_to(parent, (t, n))),
-        jnp.asarray(np.broadcast_to(_tree.shape_depths(parent), (t, n))),
-        jnp.ones((t, n), bool), jnp.asarray(q[:, 0]), jnp.asarray(q[:, 1:]))
-    return tree, jnp.asarray(p[:, 0]), jnp.asarray(p[:, 1:])
+        np.concatenate([tokens, np.zeros((t, pad), tokens.dtype)], axis=1).astype(np.int32),
+        tile(parent, _tree.ROOT), tile(depth, 1), tile(np.ones(n, bool), False),
+        q[:, 0], q[:, 1:])
+    return tree, p[:, 0], p[:, 1:]
+
+
+def _chunked(fn, args, chunk: int = TREE_CHUNK):
+    """``fn`` (jitted, vmapped) over the leading axis of the numpy pytree ``args`` in
+    chunks of fixed size (the last one padded with copies of row 0)."""
+    total = jax.tree_util.tree_leaves(args)[0].shape[0]
+    outs = []
+    for start in range(0, total, chunk):
+        def part(a):
+            a = a[start:start + chunk]
+            fill = chunk - a.shape[0]
+            return jnp.asarray(np.concatenate([a, np.repeat(a[:1], fill, axis=0)]) if fill
+                               else a)
+        outs.append(jax.tree_util.tree_map(np.asarray, fn(*jax.tree_util.tree_map(part, args))))
+    return jax.tree_util.tree_map(lambda *o: np.concatenate(o)[:total], *outs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -635,11 +663,11 @@ def exact_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent,
     length = int(depth.max()) + 1
     tokens, prob = enumerate_trees(sampled, parent, draw)
     with jax.enable_x64(True):
-        tree, p_root, p_node = _tree_inputs(tokens, parent, target, reported, target_parent,
-                                            np.float64)
-        law = _tree_law_runner(law_fn)(tree, p_root, p_node)
-        stop = np.asarray(law.stop_probs, np.float64)
-        emit = np.exp(np.asarray(law.emit_logprobs, np.float64))
+        inputs = _tree_inputs(tokens, parent, target, reported, target_parent, np.float64)
+        law = _chunked(_tree_law_runner(law_fn), inputs)
+        n = len(parent)
+        stop = np.asarray(law.stop_probs, np.float64)[:, :n + 1]
+        emit = np.exp(np.asarray(law.emit_logprobs, np.float64))[:, :n + 1]
     weight = prob[:, None] * stop  # [T, N+1]
     ctx_depth = np.concatenate([[0], depth])
     paths = [[]] + tree_paths(parent)
@@ -658,9 +686,13 @@ def exact_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent,
     return out.reshape(-1), expected
 
 
+MC_CHUNK = 32768  # rows per call of a jitted tree sampler
+
+
 @functools.lru_cache(maxsize=None)
 def _tree_runner(verify_fn):
-    return jax.jit(jax.vmap(verify_fn))
+    """jit(vmap(verify_fn)) taking raw key data (numpy-chunkable)."""
+    return jax.jit(jax.vmap(lambda k, *a: verify_fn(jax.random.wrap_key_data(k), *a)))
 
 
 def tree_monte_carlo_counts(verify_fn: TreeVerifyFn, seed: int, target_table, draft_table,
@@ -680,11 +712,11 @@ def tree_monte_carlo_counts(verify_fn: TreeVerifyFn, seed: int, target_table, dr
     length = int(_tree.shape_depths(parent).max()) + 1
     rng = np.random.default_rng(seed)
     tokens = sample_trees(rng, sampled, parent, draw, num_rows)
-    tree, p_root, p_node = _tree_inputs(tokens, parent, target32, reported32, target_parent,
-                                        np.float32)
-    round_keys = jax.vmap(lambda r: _keys.round_key(r, 0))(
-        _keys.row_keys(seed, np.arange(num_rows)))
-    res = _tree_runner(verify_fn)(round_keys, tree, p_root, p_node)
+    inputs = _tree_inputs(tokens, parent, target32, reported32, target_parent, np.float32)
+    round_keys = jax.random.key_data(jax.vmap(lambda r: _keys.round_key(r, 0))(
+        _keys.row_keys(seed, np.arange(num_rows))))
+    res = _chunked(_tree_runner(verify_fn), (np.asarray(round_keys),) + inputs,
+                   MC_CHUNK)
     error = np.asarray(res.error)
     out = np.asarray(res.tokens)[~error, :length].astype(np.int64)
     accepted = np.asarray(res.num_accepted)[~error]

@@ -17,6 +17,7 @@ from tests._mutants import TREE_MUTANTS, wrong_mask_parent
 LAWS = {c: functools.partial(T.tree_law, candidates=c) for c in T.CANDIDATES}
 SAMPLERS = {"iid": T.iid_tree_verify, "without_replacement": T.without_replacement_tree_verify,
             "point_mass": T.point_mass_tree_verify}
+RUN = {c: jax.jit(jax.vmap(f)) for c, f in SAMPLERS.items()}  # [64 rows, 6 nodes, V=5]
 DRAW = {"iid": "iid", "without_replacement": "without_replacement", "point_mass": "topk"}
 
 # A depth-first, irregular tree: 0 -> 1 -> 2, 0 -> 3, then a second root child 4 -> 5.
@@ -124,7 +125,7 @@ def test_draw_without_replacement_needs_the_support():
 
 # --- Monte Carlo against the samplers -------------------------------------------------------
 
-MC_ROWS = 100_000
+MC_ROWS = 100_000  # the audit runs rows in chunks of 32768
 
 
 @pytest.mark.parametrize("candidates,case", [("iid", "v4_b2_d2"),
@@ -145,7 +146,7 @@ def test_monte_carlo(candidates, case):
 
 # --- mutants: the same checks must fail --------------------------------------------------
 
-MUTANT_ROWS = 30_000
+MUTANT_ROWS = 30_000  # one chunk
 
 
 @pytest.mark.parametrize("mutant,candidates", [(m, "iid") for m in TREE_MUTANTS]
@@ -185,7 +186,7 @@ def test_without_replacement_draws_verified_as_iid_fail():
 
 # --- a chain written as a tree is today's token verification --------------------------------
 
-K, VOCAB, ROWS = 3, 5, 256
+K, VOCAB, ROWS = 6, 5, 64  # a chain of 6 nodes: the shape RUN is compiled for
 
 
 def _log_normalize(x):
@@ -205,40 +206,43 @@ def _chain_problem(seed, rows=ROWS, point_mass=False):
     return tokens, dlp, tlp
 
 
-@pytest.mark.parametrize("candidates", ["iid", "point_mass"])
-def test_chain_as_tree_is_token_verification(candidates):
-    """Same tokens as token_verify under every key (point masses: with point-mass q), for
-    every num_draft, and the same law (float64)."""
-    tokens, dlp, tlp = _chain_problem(7, point_mass=candidates == "point_mass")
-
-    def as_tree(key, t, d, p, n):
-        return SAMPLERS[candidates](key, T.chain_tree(t, d, n), p[0], p[1:])
-
-    tree_run = jax.jit(jax.vmap(as_tree, in_axes=(0, 0, 0, 0, None)))
+def test_chain_as_tree_is_token_verification():
+    """A chain as a tree: the same tokens as token_verify under every key, for every
+    num_draft (i.i.d. rule; the point-mass rule against token_verify with point-mass q),
+    and the same law (float64)."""
     chain_run = jax.jit(jax.vmap(V.token_verify, in_axes=(0, 0, 0, 0, None)))
     rk = keys.row_keys(3, np.arange(ROWS))
-    for n in range(K + 1):
-        g_d, g_t = dlp.copy(), tlp.copy()
-        g_d[:, n:] = np.nan  # garbage both must ignore
-        g_t[:, n + 1:] = np.nan
-        a = chain_run(rk, tokens, g_d, g_t, jnp.int32(n))
-        b = tree_run(rk, tokens, g_d, g_t, jnp.int32(n))
-        assert not np.asarray(b.error).any()
-        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-        np.testing.assert_array_equal(np.asarray(a.num_accepted), np.asarray(b.num_accepted))
-        path = np.asarray(b.path)
-        for i in range(3):
-            t = int(b.num_accepted[i])
-            np.testing.assert_array_equal(path[i], np.where(np.arange(K) < t, np.arange(K), -1))
-    assert 0 < float(np.mean(np.asarray(b.num_accepted))) < K  # both outcomes happen
-    with jax.enable_x64(True):
-        for i in range(8):
-            d64, t64 = dlp[i].astype(np.float64), tlp[i].astype(np.float64)
-            chain = V.token_law(tokens[i], d64, t64)
-            law = T.tree_law(T.chain_tree(tokens[i], d64), t64[0], t64[1:], candidates)
-            np.testing.assert_allclose(law.stop_probs, chain.stop_probs, rtol=0, atol=1e-15)
-            np.testing.assert_allclose(np.exp(law.emit_logprobs), np.exp(chain.emit_logprobs),
-                                       rtol=0, atol=1e-15)
+
+    def laws(t, d, p):
+        return (V.token_law(t, d, p), T.tree_law(T.chain_tree(t, d), p[0], p[1:], "iid"),
+                T.tree_law(T.chain_tree(t, None), p[0], p[1:], "point_mass"))
+
+    for candidates in ["iid", "point_mass"]:
+        point_mass = candidates == "point_mass"
+        tokens, dlp, tlp = _chain_problem(7, point_mass=point_mass)
+
+        for n in range(K + 1):
+            g_d, g_t = dlp.copy(), tlp.copy()
+            g_d[:, n:] = np.nan  # garbage both must ignore
+            g_t[:, n + 1:] = np.nan
+            a = chain_run(rk, tokens, g_d, g_t, jnp.int32(n))
+            tree = T.DraftTree(*jax.vmap(lambda t, d: T.chain_tree(t, d, n))(tokens, g_d))
+            b = RUN[candidates](rk, tree, g_t[:, 0], g_t[:, 1:])
+            assert not np.asarray(b.error).any()
+            np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+            np.testing.assert_array_equal(np.asarray(a.num_accepted),
+                                          np.asarray(b.num_accepted))
+            t = np.asarray(b.num_accepted)[:, None]
+            np.testing.assert_array_equal(np.asarray(b.path),
+                                          np.where(np.arange(K) < t, np.arange(K), -1))
+        assert 0 < float(np.mean(np.asarray(b.num_accepted))) < K  # both outcomes happen
+        with jax.enable_x64(True):
+            chain, iid, pm = jax.jit(jax.vmap(laws))(
+                tokens[:16], dlp[:16].astype(np.float64), tlp[:16].astype(np.float64))
+        law = pm if point_mass else iid
+        np.testing.assert_allclose(law.stop_probs, chain.stop_probs, rtol=0, atol=1e-15)
+        np.testing.assert_allclose(np.exp(law.emit_logprobs), np.exp(chain.emit_logprobs),
+                                   rtol=0, atol=1e-15)
 
 
 # --- greedy ---------------------------------------------------------------------------------
@@ -277,10 +281,11 @@ def test_greedy_tree_verify_follows_the_greedy_target():
     assert res.num_accepted.max() == 3 and res.num_accepted.min() == 0
     c_tok, _, c_logits = _chain_problem(2, rows=64)
     c_tok[:, :2] = np.argmax(c_logits[:, :2], -1)  # so that some get accepted
+    chain = jax.jit(jax.vmap(V.greedy_verify, in_axes=(0, 0, None)))
+    as_tree = jax.jit(jax.vmap(lambda t, lg, m: T.greedy_tree_verify(
+        T.chain_tree(t, None, m), lg[0], lg[1:]), in_axes=(0, 0, None)))
     for m in range(K + 1):
-        a = jax.vmap(V.greedy_verify, in_axes=(0, 0, None))(c_tok, c_logits, m)
-        b = jax.vmap(lambda t, lg: T.greedy_tree_verify(T.chain_tree(t, None, m), lg[0],
-                                                        lg[1:]))(c_tok, c_logits)
+        a, b = chain(c_tok, c_logits, m), as_tree(c_tok, c_logits, m)
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
 
 
@@ -308,7 +313,7 @@ def _random_trees(seed, rows, v=VOCAB, shape=(2, 2)):
 def test_vmap_equals_per_row_and_uses_the_documented_keys(candidates):
     tree, p = _random_trees(1, 64)
     rk = keys.row_keys(5, np.arange(64))
-    run = jax.jit(jax.vmap(SAMPLERS[candidates]))
+    run = RUN[candidates]
     batch = jax.tree_util.tree_map(np.asarray, run(rk, tree, p[:, 0], p[:, 1:]))
     # the same rows in another order and in another batch: the same results per row
     perm = np.random.default_rng(0).permutation(64)
@@ -316,8 +321,8 @@ def test_vmap_equals_per_row_and_uses_the_documented_keys(candidates):
                 p[perm, 1:])
     np.testing.assert_array_equal(np.asarray(other.tokens), batch.tokens[perm])
     one = jax.jit(SAMPLERS[candidates])
-    step = T.tree_step(candidates)
-    for i in range(8):
+    step = jax.jit(T.tree_step(candidates))
+    for i in range(4):
         row = jax.tree_util.tree_map(lambda a: a[i], tree)
         res = one(rk[i], row, p[i, 0], p[i, 1:])
         np.testing.assert_array_equal(np.asarray(res.tokens), batch.tokens[i])
@@ -347,7 +352,7 @@ def test_vmap_equals_per_row_and_uses_the_documented_keys(candidates):
 
 def _invalid_trees():
     """Row i < len(names) holds invalid case names[i]; the other rows are valid."""
-    tree, p = _random_trees(3, 32)
+    tree, p = _random_trees(3, 64)
     tree = tree._replace(valid=np.ones_like(tree.valid))
     t = {f: np.array(getattr(tree, f)) for f in tree._fields}
     t["tokens"][:, 1::2] = (t["tokens"][:, 0::2] + 1) % VOCAB  # siblings distinct
@@ -381,8 +386,7 @@ def _invalid_trees():
 @pytest.mark.parametrize("candidates", T.CANDIDATES)
 def test_invalid_input_sets_error(candidates):
     tree, p, names = _invalid_trees()
-    res = jax.jit(jax.vmap(SAMPLERS[candidates]))(keys.row_keys(0, np.arange(32)), tree,
-                                                   p[:, 0], p[:, 1:])
+    res = RUN[candidates](keys.row_keys(0, np.arange(64)), tree, p[:, 0], p[:, 1:])
     res = jax.tree_util.tree_map(np.asarray, res)
     q_cases = {"q_zero_at_candidate", "nan_in_used_q_row"}
     for i, case in enumerate(names):
