@@ -21,6 +21,12 @@ verifier gives the target's own joint law of ``K + 1`` tokens.
   (e.g. speculative vs autoregressive output) drawn from one law? (the benchmark's check;
   no law is known, only samples).
 
+Draft trees (:mod:`specjax.tree`): :func:`exact_tree_law` / :func:`audit_tree_law` (every
+tree of positive probability for a shape, the verifier's per-tree law in float64) and
+:func:`tree_monte_carlo_counts` / :func:`audit_tree_monte_carlo` (the jitted sampler on
+host-drawn trees); the quantity is the law of the first D + 1 tokens (D = the tree's
+depth) of one tree round followed by the target.
+
 All chi-square figures share :func:`pearson_statistic` and :func:`chi2_sf`.
 
 ``draft_sample_table`` (default: the draft table) is the law the draft tokens are really
