@@ -80,6 +80,9 @@ def test_shapes_chain_and_ancestor_mask():
     np.testing.assert_array_equal(T.shape_depths(IRREGULAR), [1, 2, 3, 2, 1, 2])
     with pytest.raises(ValueError):
         T.shape_depths([-1, 1])  # a parent must come first
+    made = T.make_tree(np.arange(6) % 3, IRREGULAR)
+    np.testing.assert_array_equal(made.depth, T.shape_depths(IRREGULAR))
+    assert made.valid.all() and made.q_root is None
     m = np.asarray(T.ancestor_mask(IRREGULAR))
     for i, path in enumerate(audit.tree_paths(IRREGULAR)):
         np.testing.assert_array_equal(np.nonzero(m[i])[0], path)
