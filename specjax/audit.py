@@ -21,6 +21,12 @@ verifier gives the target's own joint law of ``K + 1`` tokens.
   (e.g. speculative vs autoregressive output) drawn from one law? (the benchmark's check;
   no law is known, only samples).
 
+Draft trees (:mod:`specjax.tree`): :func:`exact_tree_law` / :func:`audit_tree_law` (every
+tree of positive probability for a shape, the verifier's per-tree law in float64) and
+:func:`tree_monte_carlo_counts` / :func:`audit_tree_monte_carlo` (the jitted sampler on
+host-drawn trees); the quantity is the law of the first D + 1 tokens (D = the tree's
+depth) of one tree round followed by the target.
+
 All chi-square figures share :func:`pearson_statistic` and :func:`chi2_sf`.
 
 ``draft_sample_table`` (default: the draft table) is the law the draft tokens are really
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import keys as _keys
+from specjax import tree as _tree
 from specjax import verify as _verify
 from specjax.sampling import SamplingConfig, process_logits
 
@@ -49,6 +56,9 @@ __all__ = [
     "chi_square_test", "ChiSquare", "LawAudit", "MonteCarloAudit", "audit_law",
     "audit_monte_carlo", "pearson_statistic", "chi2_sf", "merge_bins", "chi_square_two_sample",
     "sequence_permutation_test",
+    # draft trees
+    "TREE_DRAWS", "tree_paths", "tree_context_rows", "enumerate_trees", "sample_trees",
+    "exact_tree_law", "tree_monte_carlo_counts", "audit_tree_law", "audit_tree_monte_carlo",
 ]
 
 EXACT_TOL = 1e-9  # max |law - target law| for an exact verifier (float64 enumeration)
@@ -489,3 +499,258 @@ def audit_monte_carlo(verify_fn: VerifyFn, seed: int, target_table, draft_table,
     chi = chi_square_test(counts, target_joint_law(ref, v, num_draft_max + 1))
     return MonteCarloAudit(chi, mean_tokens, errors,
                            bool(chi.p_value >= alpha and errors == 0))
+
+
+# --------------------------------------------------------------------------------------
+# Draft trees
+# --------------------------------------------------------------------------------------
+#
+# A round on a tree of static shape ``parent`` (depth D): every node's token is drawn from
+# the draft table at its path's prefix (``draw``), the verifier is told the reported
+# draft rows and the target's rows at every context, and its output (accepted path + one
+# token) is continued with the target until D + 1 tokens exist.  An exact verifier gives
+# the target's joint law of D + 1 tokens.  ``target_parent`` (default: ``parent``) is
+# the parent array the TARGET's contexts are built from: a different one models a wrong
+# tree attention mask (node i scored after the wrong ancestors).
+
+TREE_DRAWS = ("iid", "without_replacement", "topk")
+
+TreeLawFn = Callable[..., "_tree.TreeLaw"]  # (tree, p_root, p_node)
+TreeVerifyFn = Callable[..., "_tree.TreeVerifyResult"]  # (key, tree, p_root, p_node)
+
+
+def tree_paths(parent) -> list:
+    """For each node, the node indices on its path from the root (ancestors, then itself)."""
+    parent = np.asarray(parent)
+    _tree.shape_depths(parent)  # checks topological order
+    paths = []
+    for i, par in enumerate(parent):
+        paths.append(([] if par < 0 else paths[par]) + [i])
+    return paths
+
+
+def tree_context_rows(tokens, parent, vocab_size: int) -> np.ndarray:
+    """int [T, N+1]: prefix-table row of every context (0: root, j+1: node j's path)."""
+    tokens = np.asarray(tokens)
+    rows = [np.zeros(tokens.shape[0], np.int64)]
+    for path in tree_paths(parent):
+        rows.append(prefix_index(tokens[:, path], vocab_size))
+    return np.stack(rows, axis=1)
+
+
+def _node_law(table, tokens, parent, i: int, draw: str) -> np.ndarray:
+    """float64 [T, V]: law of node i's token given the earlier nodes' tokens [T, >= i]."""
+    v = table.shape[1]
+    par = int(parent[i])
+    row = np.zeros(tokens.shape[0], np.int64) if par < 0 else \
+        prefix_index(tokens[:, tree_paths(parent[:par + 1])[par]], v)
+    q = np.exp(table[row])
+    earlier = [j for j in range(i) if parent[j] == par]  # earlier siblings
+    if draw == "iid":
+        return q
+    if draw == "without_replacement":
+        for j in earlier:
+            q[np.arange(len(q)), tokens[:, j]] = 0.0
+        total = q.sum(axis=1, keepdims=True)
+        return np.where(total > 0, q / np.where(total > 0, total, 1.0), 0.0)
+    if draw == "topk":  # the (rank)-th most likely token (ties -> lowest id)
+        order = np.argsort(-q, axis=1, kind="stable")
+        out = np.zeros_like(q)
+        out[np.arange(len(q)), order[:, len(earlier) % v]] = 1.0
+        return out
+    raise ValueError(f"draw must be one of {TREE_DRAWS}, got {draw!r}")
+
+
+def enumerate_trees(draft_table, parent, draw: str = "iid"):
+    """Every token assignment of positive probability: ``(tokens int[T, N], prob float64[T])``."""
+    table = normalize_table(draft_table)
+    v = table.shape[1]
+    parent = np.asarray(parent)
+    tokens = np.zeros((1, 0), np.int64)
+    prob = np.ones(1)
+    for i in range(len(parent)):
+        law = _node_law(table, tokens, parent, i, draw) * prob[:, None]  # [T, V]
+        t, x = np.nonzero(law > 0)
+        tokens = np.concatenate([tokens[t], x[:, None]], axis=1)
+        prob = law[t, x]
+    if abs(prob.sum() - 1.0) > 1e-9:
+        raise ValueError(f"draw={draw!r} cannot fill this tree shape from the draft table "
+                         f"(trees of positive probability have total {prob.sum():.6g})")
+    return tokens, prob
+
+
+def sample_trees(rng: np.random.Generator, draft_table, parent, draw: str, num_rows: int):
+    """``num_rows`` trees drawn on the host: int [R, N]."""
+    table = normalize_table(draft_table)
+    parent = np.asarray(parent)
+    tokens = np.zeros((num_rows, len(parent)), np.int64)
+    for i in range(len(parent)):
+        law = _node_law(table, tokens, parent, i, draw)
+        cdf = np.cumsum(law, axis=1)
+        u = rng.random(num_rows) * cdf[:, -1]
+        tokens[:, i] = np.minimum((cdf <= u[:, None]).sum(-1), table.shape[1] - 1)
+    return tokens
+
+
+TREE_CHUNK = 4096  # trees per call of a jitted law or sampler (fixed shapes: one compile
+TREE_NODES = 16  # per function); trees are padded with invalid slots to a multiple of this
+
+
+def _tree_inputs(tokens, parent, target, reported, target_parent, dtype):
+    """The verifier's inputs for trees [T, N] as numpy arrays ``(tree, p_root, p_node)``,
+    padded with invalid nodes to a multiple of ``TREE_NODES`` (root rows repeated)."""
+    v = target.shape[1]
+    parent = np.asarray(parent, np.int32)
+    tp = parent if target_parent is None else np.asarray(target_parent, np.int32)
+    depth = _tree.shape_depths(parent)
+    if not np.array_equal(_tree.shape_depths(tp), depth):
+        raise ValueError("target_parent must give every node the same depth")
+    t, n = tokens.shape
+    pad = -n % TREE_NODES
+    p = np.asarray(target, dtype)[tree_context_rows(tokens, tp, v)]
+    q = np.asarray(reported, dtype)[tree_context_rows(tokens, parent, v)]
+    p = np.concatenate([p, np.repeat(p[:, :1], pad, axis=1)], axis=1)
+    q = np.concatenate([q, np.repeat(q[:, :1], pad, axis=1)], axis=1)
+
+    def tile(row, fill):
+        return np.tile(np.concatenate([row, np.full(pad, fill, row.dtype)]), (t, 1))
+
+    tree = _tree.DraftTree(
+        np.concatenate([tokens, np.zeros((t, pad), tokens.dtype)], axis=1).astype(np.int32),
+        tile(parent, _tree.ROOT), tile(depth, 1), tile(np.ones(n, bool), False),
+        q[:, 0], q[:, 1:])
+    return tree, p[:, 0], p[:, 1:]
+
+
+def _chunked(fn, args, chunk: int = TREE_CHUNK):
+    """``fn`` (jitted, vmapped) over the leading axis of the numpy pytree ``args`` in
+    chunks of fixed size (the last one padded with copies of row 0)."""
+    total = jax.tree_util.tree_leaves(args)[0].shape[0]
+    outs = []
+    for start in range(0, total, chunk):
+        def part(a):
+            a = a[start:start + chunk]
+            fill = chunk - a.shape[0]
+            return jnp.asarray(np.concatenate([a, np.repeat(a[:1], fill, axis=0)]) if fill
+                               else a)
+        outs.append(jax.tree_util.tree_map(np.asarray, fn(*jax.tree_util.tree_map(part, args))))
+    return jax.tree_util.tree_map(lambda *o: np.concatenate(o)[:total], *outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_law_runner(law_fn):
+    return jax.jit(jax.vmap(law_fn))
+
+
+def _continuations(target_table, v: int, length: int) -> list:
+    """cont[m] (V,)*length: the target's law of tokens m+1..length given the first m."""
+    cond = _conditionals(target_table, v, length)
+    out = []
+    for m in range(length + 1):
+        c = np.ones((v,) * length)
+        for s in range(m + 1, length + 1):
+            c = c * _expand(cond[s - 1], length)
+        out.append(c)
+    return out
+
+
+def exact_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent,
+                   draw: str = "iid", target_parent=None, draft_sample_table=None):
+    """Law of the first D+1 tokens (one tree round, then the target) by exact enumeration
+    of every tree of positive probability (:func:`enumerate_trees`); ``law_fn(tree,
+    p_root, p_node) -> TreeLaw`` is evaluated in float64 on float64-renormalized tables.
+    Returns ``(law float64[V**(D+1)], expected tokens emitted by the round)``."""
+    target = normalize_table(target_table)
+    reported = normalize_table(draft_table)
+    sampled = reported if draft_sample_table is None else normalize_table(draft_sample_table)
+    v = target.shape[1]
+    parent = np.asarray(parent, np.int32)
+    depth = _tree.shape_depths(parent)
+    length = int(depth.max()) + 1
+    tokens, prob = enumerate_trees(sampled, parent, draw)
+    with jax.enable_x64(True):
+        inputs = _tree_inputs(tokens, parent, target, reported, target_parent, np.float64)
+        law = _chunked(_tree_law_runner(law_fn), inputs)
+        n = len(parent)
+        stop = np.asarray(law.stop_probs, np.float64)[:, :n + 1]
+        emit = np.exp(np.asarray(law.emit_logprobs, np.float64))[:, :n + 1]
+    weight = prob[:, None] * stop  # [T, N+1]
+    ctx_depth = np.concatenate([[0], depth])
+    paths = [[]] + tree_paths(parent)
+    acc = [np.zeros(v ** m) for m in range(length + 1)]
+    for c, path in enumerate(paths):
+        m = ctx_depth[c]
+        pre = sequence_index(tokens[:, path], v) if path else np.zeros(len(tokens), np.int64)
+        mass = np.where(weight[:, c, None] > 0, weight[:, c, None] * emit[:, c], 0.0)
+        flat = (pre[:, None] * v + np.arange(v)).reshape(-1)
+        acc[m + 1] += np.bincount(flat, weights=mass.reshape(-1), minlength=v ** (m + 1))
+    cont = _continuations(target_table, v, length)
+    out = np.zeros((v,) * length)
+    for m in range(1, length + 1):
+        out += _expand(acc[m].reshape((v,) * m), length) * cont[m]
+    expected = float(np.sum(weight * (ctx_depth + 1)))
+    return out.reshape(-1), expected
+
+
+MC_CHUNK = 32768  # rows per call of a jitted tree sampler
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_runner(verify_fn):
+    """jit(vmap(verify_fn)) taking raw key data (numpy-chunkable)."""
+    return jax.jit(jax.vmap(lambda k, *a: verify_fn(jax.random.wrap_key_data(k), *a)))
+
+
+def tree_monte_carlo_counts(verify_fn: TreeVerifyFn, seed: int, target_table, draft_table,
+                            parent, draw: str = "iid", num_rows: int = 100_000,
+                            target_parent=None, draft_sample_table=None):
+    """Run the tree sampler ``verify_fn(key, tree, p_root, p_node)`` on ``num_rows``
+    independent rows (jit + vmap; trees and the continuation drawn on the host with numpy
+    ``seed``; float32 inputs; keys ``round_key(row_keys(seed, i), 0)``).
+    Returns ``(counts int64[V**(D+1)], mean tokens emitted by the round, error count)``."""
+    target32 = np.asarray(target_table, np.float32)
+    reported32 = np.asarray(draft_table, np.float32)
+    target = normalize_table(target32)
+    sampled = normalize_table(draft_table if draft_sample_table is None
+                              else draft_sample_table)
+    v = target.shape[1]
+    parent = np.asarray(parent, np.int32)
+    length = int(_tree.shape_depths(parent).max()) + 1
+    rng = np.random.default_rng(seed)
+    tokens = sample_trees(rng, sampled, parent, draw, num_rows)
+    inputs = _tree_inputs(tokens, parent, target32, reported32, target_parent, np.float32)
+    round_keys = jax.random.key_data(jax.vmap(lambda r: _keys.round_key(r, 0))(
+        _keys.row_keys(seed, np.arange(num_rows))))
+    res = _chunked(_tree_runner(verify_fn), (np.asarray(round_keys),) + inputs,
+                   MC_CHUNK)
+    error = np.asarray(res.error)
+    out = np.asarray(res.tokens)[~error, :length].astype(np.int64)
+    accepted = np.asarray(res.num_accepted)[~error]
+    for t in range(length):  # continue with the target until D+1 tokens exist
+        fill = out[:, t] == _verify.PAD_ID
+        if fill.any():
+            out[fill, t] = _sample_rows(rng, target[prefix_index(out[fill, :t], v)])
+    counts = np.bincount(sequence_index(out, v), minlength=v ** length)
+    return counts.astype(np.int64), float(np.mean(accepted + 1)), int(error.sum())
+
+
+def audit_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent, draw: str = "iid",
+                   tol: float = EXACT_TOL, **kwargs) -> LawAudit:
+    """Exact check of a tree verifier: max |law - target joint law| < tol."""
+    law, expected = exact_tree_law(law_fn, target_table, draft_table, parent, draw, **kwargs)
+    v = np.asarray(target_table).shape[1]
+    length = int(_tree.shape_depths(parent).max()) + 1
+    err = float(np.max(np.abs(law - target_joint_law(target_table, v, length))))
+    return LawAudit(err, expected, bool(err < tol))
+
+
+def audit_tree_monte_carlo(verify_fn: TreeVerifyFn, seed: int, target_table, draft_table,
+                           parent, draw: str = "iid", num_rows: int = 100_000,
+                           alpha: float = MC_ALPHA, **kwargs) -> MonteCarloAudit:
+    """Statistical check of a tree sampler: chi-square p-value >= alpha and no errors."""
+    counts, mean_tokens, errors = tree_monte_carlo_counts(
+        verify_fn, seed, target_table, draft_table, parent, draw, num_rows, **kwargs)
+    v = np.asarray(target_table).shape[1]
+    length = int(_tree.shape_depths(parent).max()) + 1
+    chi = chi_square_test(counts, target_joint_law(target_table, v, length))
+    return MonteCarloAudit(chi, mean_tokens, errors, bool(chi.p_value >= alpha and errors == 0))

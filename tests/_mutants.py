@@ -144,3 +144,82 @@ MUTANTS = {
     "block_unweighted_residual": (block_unweighted_residual_verify,
                                   block_unweighted_residual_law),
 }
+
+
+# --------------------------------------------------------------------------------------
+# Tree verifiers (specjax.tree): (sampler(key, tree, p_root, p_node), law(tree, p_root,
+# p_node)) pairs built from the real parts, one change each.  The wrong tree mask is an
+# input mutation instead (the target scores nodes after the wrong ancestors): see
+# wrong_mask_parent and the audit's target_parent.
+# --------------------------------------------------------------------------------------
+
+from specjax import tree as TR  # noqa: E402
+
+
+def _accept_against_p_step(candidates):
+    """Each sibling accepted against the context's p, not the residual left by the
+    rejected siblings (the residual is still updated for the final draw)."""
+    real = TR.tree_step(candidates)
+
+    def step(r, lz, qa, x, p):
+        _, r2, lz2, qa2 = real(r, lz, qa, x, p)
+        log_a = real(p, jnp.zeros((), p.dtype), qa, x, p)[0]
+        return log_a, r2, lz2, qa2
+
+    return step
+
+
+def _no_sibling_update_step(candidates):
+    """No residual update between siblings: each sibling meets a fresh r = p, and the
+    final draw uses the residual of p against the last sibling's proposal only."""
+    real = TR.tree_step(candidates)
+
+    def step(r, lz, qa, x, p):
+        return real(p, jnp.zeros((), p.dtype), qa, x, p)
+
+    return step
+
+
+def tree_mutant(candidates, step_factory=None, final_from_p=False):
+    """(sampler, law) of the tree verifier with ``step_factory``'s step and/or the
+    correction drawn from p instead of the final residual."""
+    make_step = step_factory or TR.tree_step
+
+    def sampler(key, tree, p_root, p_node):
+        tree, P, Q, md = TR.tree_prepare(tree, p_root, p_node, candidates)
+        error = TR.tree_validate(tree, P, Q, candidates, md)
+        cur, num, path, r, _ = TR.descend(key, tree, P, Q, make_step(candidates), md)
+        return TR.tree_finish(key, tree, cur, num, path, P[cur] if final_from_p else r,
+                              error, md)
+
+    def law(tree, p_root, p_node):
+        tree, P, Q, _ = TR.tree_prepare(tree, p_root, p_node, candidates,
+                                        dtype=jnp.asarray(p_root).dtype)
+        out = TR.law_scan(tree, P, Q, make_step(candidates))
+        if final_from_p:
+            out = out._replace(emit_logprobs=P - jax.nn.logsumexp(P, axis=-1, keepdims=True))
+        return out
+
+    return sampler, law
+
+
+def wrong_mask_parent(parent):
+    """A wrong tree mask: every node below depth 1 is scored after its parent's next
+    sibling (cyclically) instead of its parent; same depths, still topological in
+    breadth-first order."""
+    import numpy as np
+
+    parent = np.asarray(parent)
+    out = parent.copy()
+    for i, par in enumerate(parent):
+        if par >= 0:
+            group = [j for j in range(len(parent)) if parent[j] == parent[par]]
+            out[i] = group[(group.index(par) + 1) % len(group)]
+    return out
+
+
+TREE_MUTANTS = {
+    "accept_against_unadjusted_residual": lambda c: tree_mutant(c, _accept_against_p_step),
+    "no_residual_update_between_siblings": lambda c: tree_mutant(c, _no_sibling_update_step),
+    "correction_from_p": lambda c: tree_mutant(c, final_from_p=True),
+}

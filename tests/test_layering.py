@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (test_package_dirs_match_pyproject keeps the two in step).
 PACKAGE_DIRS = {"specjax": "specjax", "specjax.models": "models"}
 
-MATH = ("specjax.keys", "specjax.sampling", "specjax.verify", "specjax.audit")
+MATH = ("specjax.keys", "specjax.sampling", "specjax.verify", "specjax.tree", "specjax.audit")
 COMMANDS = ("specjax.cli", "specjax.demo", "specjax.__main__")
 FORBIDDEN_TOP_LEVEL = ("scripts", "tests", "bench_common", "models")
 
