@@ -1,6 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2-without-biases, ...) in Flax NNX.
+"""One decoder for the Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 families, in Flax NNX.
 
-One frozen :class:`LlamaConfig` is the single source of truth for shapes. The model keeps
+One frozen :class:`LlamaConfig` is the single source of truth for shapes and architecture:
+the other families are switches of the same module (``qkv_bias``, ``qk_norm``,
+``norm_offset``, ``sandwich_norm``, ``embed_scale``, ``mlp_act``, ``attn_scale``,
+``attn_softcap``, ``final_softcap``, ``sliding_window`` / ``layer_types``,
+``rope_local_theta``), each defaulting to Llama's behaviour. The model keeps
 the :class:`specjax.models.base.LanguageModel` contract through :class:`LlamaLM`:
 
 * ``LlamaLM.init(config, seed)``: random weights; ``LlamaLM.from_weights(config, weights)``:
@@ -15,6 +19,9 @@ tensors stacked on a leading ``L`` axis)::
     embed [V, D]   lm_head [V, D] (only if not tied)   final_norm [D]
     attn_norm [L, D]  wq [L, N*H, D]  wk [L, Nkv*H, D]  wv [L, Nkv*H, D]  wo [L, D, N*H]
     mlp_norm [L, D]   w_gate [L, F, D]  w_up [L, F, D]  w_down [L, D, F]
+    with qkv_bias: bq [L, N*H]  bk [L, Nkv*H]  bv [L, Nkv*H]
+    with qk_norm: q_norm [L, H]  k_norm [L, H]
+    with sandwich_norm: post_attn_norm [L, D]  post_mlp_norm [L, D] (mlp_norm is the pre-MLP norm)
 
 RoPE is rotate-half (HF ``rotate_half``): the two halves of a head are the real and
 imaginary parts. Loaders convert other conventions (llama.cpp's interleaved Q/K) into it.

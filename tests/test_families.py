@@ -9,6 +9,7 @@ folder is rebuilt in tmp_path (some families as a sharded checkpoint) and loaded
 """
 import functools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import pytest
 
 from specjax.models.hf_checkpoint import (SUPPORTED_ARCHITECTURES, HFCheckpointError, architecture_for, config_from_hf,
                                           hf_config, load_hf, save_hf)
-from specjax.models.llama import tiny_config
+from specjax.models.llama import expected_shapes, tiny_config
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "families"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
@@ -171,6 +172,8 @@ def test_config_switches():
     assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling.rope_type, g3.rope_scaling.factor) == (
         1e6, 1e4, "linear", 4.0)
     assert cfg["llama"].rope_scaling.rope_type == "llama3"
+    for f, c in cfg.items():  # num_params counts the switches' tensors
+        assert c.num_params() == sum(math.prod(s) for s in expected_shapes(c).values()), f
 
 
 def test_classic_config_keys():
