@@ -168,6 +168,7 @@ def test_config_switches():
             1.0, True, True, "gelu_tanh", True)
     assert (g2.attn_softcap, g2.final_softcap, g2.attn_scale) == (3.0, 10.0, 24 ** -0.5)
     assert g2.layer_types == ("sliding", "full") and not g2.qk_norm
+    assert g2.replace(n_layers=1).layer_types == ("sliding",)  # a first-layers draft keeps its pattern
     assert g3.qk_norm and g3.attn_softcap == 0 and g3.final_softcap == 0
     assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling.rope_type, g3.rope_scaling.factor) == (
         1e6, 1e4, "linear", 4.0)
