@@ -49,6 +49,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_ROWS = 16  # the kernel serves x[M, K] with M <= MAX_ROWS (crossover with XLA at M ~ 20: BENCHMARKS.md)
 COL_MULTIPLE = 64
@@ -229,11 +230,15 @@ def use_attention(mode: str, q: jax.Array, k_all: jax.Array) -> bool:
     return _usable(mode)
 
 
-def attention_raw(q, k_all, v_all, layer, positions) -> jax.Array:
+def attention_raw(q, k_all, v_all, layer, positions, window=None, scale=None, softcap: float = 0.0) -> jax.Array:
     """The attention kernel (no autodiff rule: models/llama.py wraps it in a custom_jvp).
-    q [B,T,Nkv,G,H], k_all/v_all [L,B,Nkv,S,H], layer int32[], positions int32[B,T]."""
+    q [B,T,Nkv,G,H], k_all/v_all [L,B,Nkv,S,H], layer int32[], positions int32[B,T];
+    ``window`` int32[] (a query at p sees slots p - window < s <= p; None: no window),
+    ``scale`` the score scale (None: H ** -0.5), ``softcap`` Gemma 2's score cap (0: off)."""
     _require()
+    window = jnp.asarray(2 ** 30 if window is None else window, jnp.int32)
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")(
-        q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32))
+        q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32), window,
+        scale=np.float32(0.0 if scale is None else scale), softcap=np.float32(softcap))
 

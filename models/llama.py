@@ -1,6 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2-without-biases, ...) in Flax NNX.
+"""One decoder for the Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 families, in Flax NNX.
 
-One frozen :class:`LlamaConfig` is the single source of truth for shapes. The model keeps
+One frozen :class:`LlamaConfig` is the single source of truth for shapes and architecture:
+the other families are switches of the same module (``qkv_bias``, ``qk_norm``,
+``norm_offset``, ``sandwich_norm``, ``embed_scale``, ``mlp_act``, ``attn_scale``,
+``attn_softcap``, ``final_softcap``, ``sliding_window`` / ``layer_types``,
+``rope_local_theta``), each defaulting to Llama's behaviour. The model keeps
 the :class:`specjax.models.base.LanguageModel` contract through :class:`LlamaLM`:
 
 * ``LlamaLM.init(config, seed)``: random weights; ``LlamaLM.from_weights(config, weights)``:
@@ -15,6 +19,9 @@ tensors stacked on a leading ``L`` axis)::
     embed [V, D]   lm_head [V, D] (only if not tied)   final_norm [D]
     attn_norm [L, D]  wq [L, N*H, D]  wk [L, Nkv*H, D]  wv [L, Nkv*H, D]  wo [L, D, N*H]
     mlp_norm [L, D]   w_gate [L, F, D]  w_up [L, F, D]  w_down [L, D, F]
+    with qkv_bias: bq [L, N*H]  bk [L, Nkv*H]  bv [L, Nkv*H]
+    with qk_norm: q_norm [L, H]  k_norm [L, H]
+    with sandwich_norm: post_attn_norm [L, D]  post_mlp_norm [L, D] (mlp_norm is the pre-MLP norm)
 
 RoPE is rotate-half (HF ``rotate_half``): the two halves of a head are the real and
 imaginary parts. Loaders convert other conventions (llama.cpp's interleaved Q/K) into it.
@@ -62,9 +69,13 @@ from specjax.models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (HF ``rope_type: llama3``)."""
+    """RoPE frequency scaling: Llama-3 style (HF ``rope_type: llama3``) or ``linear``
+    (every frequency divided by ``factor``; the low/high/original fields are unused)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -73,8 +84,13 @@ class RopeScaling:
     rope_type: str = "llama3"
 
     def __post_init__(self):
-        if self.rope_type != "llama3":
-            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r} (only 'llama3')")
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r}; expected one of {ROPE_SCALING_TYPES}")
+
+
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+NO_WINDOW = 2 ** 30  # a window no position reaches: "attend to every earlier slot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +117,22 @@ class LlamaConfig:
     # float32 CPU kernels (models/cpu_kernels.py: small-M matmul, cached attention): "auto"
     # (where they apply), "kernel" (the same, a failed build is an error) or "xla". Speed only.
     cpu_kernels: str = "auto"
+    # -- architectural switches of other families (defaults: Llama) --------------------
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): Gemma's (1 + w) is 1.0
+    sandwich_norm: bool = False  # also norm the attention and MLP outputs before the residual add (Gemma 2/3)
+    embed_scale: bool = False  # multiply the token embeddings by sqrt(dim) (Gemma)
+    mlp_act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    attn_scale: Optional[float] = None  # attention score scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) before the softmax (Gemma 2); 0: off
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (Gemma 2); 0: off
+    # sliding-window attention: a query at position p sees slots p - sliding_window < s <= p.
+    # 0: off. layer_types: per layer "full" or "sliding" (None: every layer "sliding" when
+    # sliding_window > 0); a longer tuple is cut to n_layers (so n_layers=k keeps the first k).
+    sliding_window: int = 0
+    layer_types: Optional[tuple] = None
+    rope_local_theta: Optional[float] = None  # RoPE base of the "sliding" layers, unscaled (Gemma 3)
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
@@ -118,6 +150,34 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.cpu_kernels={self.cpu_kernels!r}; expected one of {KERNEL_MODES}")
         if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise ValueError(f"LlamaConfig.mlp_act={self.mlp_act!r}; expected one of {MLP_ACTIVATIONS}")
+        if not isinstance(self.sliding_window, (int, np.integer)) or self.sliding_window < 0:
+            raise ValueError(f"LlamaConfig.sliding_window must be an int >= 0, got {self.sliding_window!r}")
+        for f in ("attn_softcap", "final_softcap"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"LlamaConfig.{f} must be >= 0 (0: off), got {getattr(self, f)!r}")
+        if self.attn_scale is not None and not self.attn_scale > 0:
+            raise ValueError(f"LlamaConfig.attn_scale must be > 0 or None, got {self.attn_scale!r}")
+        if self.layer_types is not None:
+            lt = tuple(self.layer_types)
+            if len(lt) < self.n_layers:
+                raise ValueError(f"LlamaConfig.layer_types has {len(lt)} entries for {self.n_layers} layers")
+            bad = sorted(set(lt) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"LlamaConfig.layer_types: unknown types {bad}; expected {LAYER_TYPES}")
+            if "sliding" in lt and not self.sliding_window:
+                raise ValueError("LlamaConfig.layer_types has 'sliding' layers but sliding_window is 0")
+            object.__setattr__(self, "layer_types", lt[: self.n_layers])
+
+    @property
+    def sliding_layers(self) -> tuple:
+        """Per layer: True where the layer attends through the sliding window."""
+        if not self.sliding_window:
+            return (False,) * self.n_layers
+        if self.layer_types is None:
+            return (True,) * self.n_layers
+        return tuple(t == "sliding" for t in self.layer_types)
 
     @property
     def group_size(self) -> int:
@@ -137,6 +197,9 @@ class LlamaConfig:
     def num_params(self) -> int:
         D, F, H = self.dim, self.ffn_dim, self.head_dim
         per_layer = 2 * D + D * H * (self.n_heads * 2 + self.n_kv_heads * 2) + 3 * D * F
+        per_layer += (self.n_heads + 2 * self.n_kv_heads) * H if self.qkv_bias else 0
+        per_layer += 2 * H if self.qk_norm else 0
+        per_layer += 2 * D if self.sandwich_norm else 0
         head = 0 if self.tie_embeddings else self.vocab_size * D
         return self.vocab_size * D + head + D + self.n_layers * per_layer
 
@@ -202,16 +265,28 @@ def _param(value, names: tuple) -> nnx.Param:
 # --------------------------------------------------------------------------------------
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, offset: float = 0.0):
+    """RMSNorm over the last axis in float32, scaled by ``w`` (``offset + w`` with an offset:
+    Gemma's ``1 + w``), cast back to ``x``'s dtype."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    scale = w.astype(jnp.float32)
+    if offset:
+        scale = offset + scale
+    return (y * scale).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+def rope_inv_freq(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [H/2]; ``local``: those of the sliding layers (``rope_local_theta``,
+    no scaling) when the config sets one."""
     H = cfg.head_dim
+    if local and cfg.rope_local_theta is not None:
+        inv = 1.0 / (cfg.rope_local_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+        return inv.astype(np.float32)
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
     rs = cfg.rope_scaling
+    if rs is not None and rs.rope_type == "linear":
+        return (inv / rs.factor).astype(np.float32)
     if rs is not None:  # HF _compute_llama3_parameters
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -226,9 +301,9 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, cfg: LlamaConfig):
+def rope_tables(positions: jax.Array, cfg: LlamaConfig, local: bool = False):
     """cos, sin: float32[B, T, H/2] for integer positions [B, T]."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg, local))
     return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -277,11 +352,26 @@ def _heads_last(o, T):
     return jnp.transpose(o.reshape(B, Nkv, T, TG // T, H), (0, 2, 1, 3, 4))
 
 
-def attention(q, k, v, mask):
+def _softcap(s, cap: float):
+    """``cap * tanh(s / cap)`` (Gemma 2's soft-capping); ``cap == 0``: ``s`` unchanged."""
+    return jnp.tanh(s / cap) * cap if cap else s
+
+
+def _visible(slots, qpos, window):
+    """Causal (and with ``window``, sliding-window) visibility of ``slots`` from positions
+    ``qpos`` (broadcast): ``qpos - window < slot <= qpos``. ``window`` may be traced."""
+    ok = slots <= qpos
+    if window is not None:
+        ok = ok & (slots > qpos - window)
+    return ok
+
+
+def attention(q, k, v, mask, scale=None, softcap: float = 0.0):
     """One pass. q [B,T,Nkv,G,H], k/v [B,Nkv,S,H], mask bool[B,T,S] -> [B,T,Nkv,G,H]."""
     B, T, _, G, _ = q.shape
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("bkqh,bksh->bkqs", _heads_first(q), k, preferred_element_type=jnp.float32) * scale
+    s = _softcap(s, softcap)
     qmask = jnp.repeat(mask, G, axis=1)  # [B, T*G, S]
     s = jnp.where(qmask[:, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
@@ -292,28 +382,36 @@ def attention(q, k, v, mask):
 _NEG = -1e30  # finite "minus infinity": a fully masked chunk gives exp(_NEG - m) = 0, never NaN
 
 
-def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
+def cached_attention(q, k_all, v_all, layer, positions, chunk: int, window=None, scale=None,
+                     softcap: float = 0.0):
     """Causal attention of q [B,T,Nkv,G,H] (at ``positions`` [B,T]) over layer ``layer`` of
-    the cache ``[L,B,Nkv,S,H]``: slot s is visible to position p iff s <= p.
+    the cache ``[L,B,Nkv,S,H]``: slot s is visible to position p iff s <= p, and with a
+    ``window`` (an int, possibly traced; None: off) also iff s > p - window. ``scale``: the
+    score scale (None: ``H ** -0.5``); ``softcap``: Gemma 2's score soft-capping (0: off).
 
-    With ``0 < chunk < S`` only ``ceil((max(positions)+1) / chunk)`` chunks of slots are read
-    (a ``fori_loop`` with a dynamic trip count and an online softmax), so the cost follows the
-    longest live row, not ``max_len``. Slot 0 is always visible, so the running max is finite
-    after the first chunk and fully masked chunks contribute exactly zero. The cache keeps
-    each head's slots contiguous ([.., Nkv, S, H]), so a chunk is a plain slice and both
-    products are batched over (row, kv head) without transposing the cache."""
+    With ``0 < chunk < S`` only the chunks of slots from the lowest visible one (0 without a
+    window) to ``max(positions)`` are read (a ``fori_loop`` with dynamic bounds and an online
+    softmax), so the cost follows the longest live row (and the window), not ``max_len``.
+    The first chunk read holds a visible slot of some row, so the running max is finite
+    after it; a chunk fully masked for a row contributes exactly zero (with a window, a row's
+    first chunks may all be masked: their terms are zeroed explicitly). The cache keeps each
+    head's slots contiguous ([.., Nkv, S, H]), so a chunk is a plain slice and both products
+    are batched over (row, kv head) without transposing the cache."""
     L, B, Nkv, S, H = k_all.shape
     T, G = q.shape[1], q.shape[3]
     dt = q.dtype
     if chunk <= 0 or chunk >= S:
         slots = jnp.arange(S, dtype=jnp.int32)
-        mask = slots[None, None, :] <= positions[:, :, None]
-        return attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
+        mask = _visible(slots[None, None, :], positions[:, :, None], window)
+        return attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask, scale, softcap)
 
-    scale = 1.0 / math.sqrt(H)
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
     qh = _heads_first(q) * jnp.asarray(scale, dt)  # [B, Nkv, TG, H]
     qpos = jnp.repeat(positions, G, axis=1)  # [B, TG]
     n_chunks = (jnp.max(positions) + chunk) // chunk  # chunks holding slots 0..max position
+    first = 0
+    if window is not None:  # chunks below every row's window hold no visible slot
+        first = jnp.maximum(jnp.min(positions) - window + 1, 0) // chunk
 
     def body(c, carry):
         m, l, acc = carry  # [B,Nkv,TG], [B,Nkv,TG], [B,Nkv,TG,H] (float32)
@@ -322,11 +420,14 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
         kc = jax.lax.dynamic_slice(k_all, (layer, 0, 0, start, 0), (1, B, Nkv, chunk, H))[0].astype(dt)
         vc = jax.lax.dynamic_slice(v_all, (layer, 0, 0, start, 0), (1, B, Nkv, chunk, H))[0].astype(dt)
         slots = start + jnp.arange(chunk, dtype=jnp.int32)
-        ok = (slots[None, None, :] <= qpos[:, :, None]) & (slots >= nominal)[None, None, :]  # [B,TG,C]
+        ok = _visible(slots[None, None, :], qpos[:, :, None], window) & (slots >= nominal)[None, None, :]  # [B,TG,C]
         s = jnp.einsum("bkqh,bkch->bkqc", qh, kc, preferred_element_type=jnp.float32)
+        s = _softcap(s, softcap)
         s = jnp.where(ok[:, None], s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
+        if window is not None:  # a row with no visible slot yet has m_new = _NEG and p = 1
+            p = jnp.where(ok[:, None], p, 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
         pv = jnp.einsum("bkqc,bkch->bkqh", p.astype(dt), vc, preferred_element_type=jnp.float32)
@@ -338,22 +439,29 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int):
         jnp.zeros((B, Nkv, TG), jnp.float32),
         jnp.zeros((B, Nkv, TG, H), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
     return _heads_last(acc / l[..., None], T).astype(dt)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def kernel_attention(q, k_all, v_all, layer, positions, chunk: int):
+def kernel_attention(q, k_all, v_all, layer, positions, chunk: int, window=None, scale=None,
+                     softcap: float = 0.0):
     """:func:`cached_attention` by the FFI kernel (models/kernels/attention.cc), float32 CPU.
     Its derivative is that of :func:`cached_attention` (XLA), so training is unaffected."""
-    return attention_raw(q, k_all, v_all, layer, positions)
+    w = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
+    return _kernel_attention(q, k_all, v_all, layer, positions, w, chunk,
+                             None if scale is None else float(scale), float(softcap))
 
 
-@kernel_attention.defjvp
-def _kernel_attention_jvp(chunk, primals, tangents):
-    q, k_all, v_all, layer, positions = primals
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
+def _kernel_attention(q, k_all, v_all, layer, positions, window, chunk: int, scale, softcap):
+    return attention_raw(q, k_all, v_all, layer, positions, window, scale=scale, softcap=softcap)
+
+
+@_kernel_attention.defjvp
+def _kernel_attention_jvp(chunk, scale, softcap, primals, tangents):
+    q, k_all, v_all, layer, positions, window = primals
     dq, dk, dv = tangents[:3]
-    return jax.jvp(lambda q, k, v: cached_attention(q, k, v, layer, positions, chunk),
+    return jax.jvp(lambda q, k, v: cached_attention(q, k, v, layer, positions, chunk, window, scale, softcap),
                    (q, k_all, v_all), (dq, dk, dv))
 
 
@@ -362,6 +470,15 @@ def _kernel_attention_jvp(chunk, primals, tangents):
 # --------------------------------------------------------------------------------------
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+# per-layer tensors of the architectural switches (LlamaConfig.qkv_bias / qk_norm / sandwich_norm)
+OPTIONAL_LAYER_KEYS = {"qkv_bias": ("bq", "bk", "bv"), "qk_norm": ("q_norm", "k_norm"),
+                       "sandwich_norm": ("post_attn_norm", "post_mlp_norm")}
+
+
+def layer_keys(cfg: LlamaConfig) -> tuple:
+    """Canonical per-layer tensor names for ``cfg`` (LAYER_KEYS plus its switches' tensors)."""
+    extra = tuple(k for flag, ks in OPTIONAL_LAYER_KEYS.items() if getattr(cfg, flag) for k in ks)
+    return LAYER_KEYS + extra
 
 
 def _np(x):
@@ -385,7 +502,7 @@ def fuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     v = w["wv"].reshape(lead + (Nkv, 1, H, D))
     qkv = xp.concatenate([q, k, v], axis=-3)  # [.., Nkv, G+2, H, D]
     gu = xp.stack([w["w_gate"], w["w_up"]], axis=n)  # [.., 2, F, D]
-    return {
+    out = {
         "attn_norm": w["attn_norm"],
         "wqkv": contig(xp.moveaxis(qkv, -1, n)),  # [.., D, Nkv, G+2, H]
         "wo": contig(xp.swapaxes(w["wo"], -1, -2)).reshape(lead + (N, H, D)),
@@ -393,6 +510,14 @@ def fuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
         "w_gate_up": contig(xp.moveaxis(gu, -1, n)),  # [.., D, 2, F]
         "w_down": contig(xp.swapaxes(w["w_down"], -1, -2)),  # [.., F, D]
     }
+    if cfg.qkv_bias:  # the same grouping as wqkv: [.., Nkv, G+2, H]
+        out["bqkv"] = contig(xp.concatenate([w["bq"].reshape(lead + (Nkv, G, H)),
+                                             w["bk"].reshape(lead + (Nkv, 1, H)),
+                                             w["bv"].reshape(lead + (Nkv, 1, H))], axis=-2))
+    for k in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+        if k in w:
+            out[k] = w[k]
+    return out
 
 
 def unfuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
@@ -404,7 +529,7 @@ def unfuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     qkv = np.moveaxis(w["wqkv"], n, -1)  # [.., Nkv, G+2, H, D]
     gu = np.moveaxis(w["w_gate_up"], n, -1)  # [.., 2, F, D]
     c = np.ascontiguousarray
-    return {
+    out = {
         "attn_norm": w["attn_norm"],
         "wq": c(qkv[..., :G, :, :]).reshape(lead + (Nkv * G * H, D)),
         "wk": c(qkv[..., G, :, :]).reshape(lead + (Nkv * H, D)),
@@ -415,6 +540,15 @@ def unfuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
         "w_up": c(np.take(gu, 1, axis=n)),
         "w_down": c(np.swapaxes(w["w_down"], -1, -2)),
     }
+    if "bqkv" in w:
+        b = w["bqkv"]  # [.., Nkv, G+2, H]
+        out["bq"] = c(b[..., :G, :]).reshape(lead + (Nkv * G * H,))
+        out["bk"] = c(b[..., G, :]).reshape(lead + (Nkv * H,))
+        out["bv"] = c(b[..., G + 1, :]).reshape(lead + (Nkv * H,))
+    for k in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+        if k in w:
+            out[k] = w[k]
+    return out
 
 
 # internal parameter layout: every matrix is [in, out] (x @ W, what XLA CPU multiplies
@@ -427,6 +561,20 @@ _LAYER_NAMES = {
     "w_gate_up": ("embed", None, "mlp"),
     "w_down": ("mlp", "embed"),
 }
+_OPTIONAL_NAMES = {
+    "qkv_bias": {"bqkv": ("kv_heads", None, "head_dim")},
+    "qk_norm": {"q_norm": ("head_dim",), "k_norm": ("head_dim",)},
+    "sandwich_norm": {"post_attn_norm": ("embed",), "post_mlp_norm": ("embed",)},
+}
+
+
+def layer_param_names(cfg: LlamaConfig) -> dict:
+    """Internal per-layer parameters for ``cfg`` -> their logical axis names."""
+    out = dict(_LAYER_NAMES)
+    for flag, names in _OPTIONAL_NAMES.items():
+        if getattr(cfg, flag):
+            out.update(names)
+    return out
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict:
@@ -446,6 +594,12 @@ def expected_shapes(cfg: LlamaConfig) -> dict:
         "w_up": (L, F, D),
         "w_down": (L, D, F),
     }
+    if cfg.qkv_bias:
+        s.update(bq=(L, N * H), bk=(L, Nkv * H), bv=(L, Nkv * H))
+    if cfg.qk_norm:
+        s.update(q_norm=(L, H), k_norm=(L, H))
+    if cfg.sandwich_norm:
+        s.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
     if not cfg.tie_embeddings:
         s["lm_head"] = (V, D)
     return s
@@ -490,33 +644,51 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, w: Mapping[str, Any], stacked: bool = False):
         self.cfg = cfg
         pd = cfg.weight_dtype
-        for k, names in _LAYER_NAMES.items():
+        for k, names in layer_param_names(cfg).items():
             setattr(self, k, _param(jnp.asarray(w[k], pd), (("layers",) if stacked else ()) + names))
 
-    def __call__(self, x, k_all, v_all, layer, positions, cos, sin):
+    def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None):
+        """``window``: this layer's sliding window (an int, traced in the scanned path) or
+        None for full causal attention."""
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T, D = x.shape
         Nkv, G, H = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+        off, eps = cfg.norm_offset, cfg.norm_eps
 
-        h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
+        h = rms_norm(x, self.attn_norm[...], eps, off)
         qkv = _linear(h, self.wqkv[...].astype(dt), cfg.cpu_kernels).reshape(B, T, Nkv, G + 2, H)
-        q = apply_rope(qkv[:, :, :, :G], cos, sin)
-        k = apply_rope(qkv[:, :, :, G], cos, sin)
-        v = qkv[:, :, :, G + 1]
+        if cfg.qkv_bias:
+            qkv = qkv + self.bqkv[...].astype(dt)
+        q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], eps, off)
+            k = rms_norm(k, self.k_norm[...], eps, off)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         k_all = _write_cache(k_all, layer, k, positions)
         v_all = _write_cache(v_all, layer, v, positions)
+        attn = dict(window=window, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
         if use_attention(cfg.cpu_kernels, q, k_all):
-            o = kernel_attention(q, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk)
+            o = kernel_attention(q, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk, **attn)
         else:
-            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk)  # [B,T,Nkv,G,H]
-        x = x + _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.cpu_kernels)
+            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, **attn)  # [B,T,Nkv,G,H]
+        h = _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.cpu_kernels)
+        if cfg.sandwich_norm:
+            h = rms_norm(h, self.post_attn_norm[...], eps, off)
+        x = x + h
         x = constrain(x, ("batch", None, "embed"))
 
-        h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
+        h = rms_norm(x, self.mlp_norm[...], eps, off)
         gu = _linear(h, self.w_gate_up[...].astype(dt), cfg.cpu_kernels).reshape(B, T, 2, cfg.ffn_dim)
-        a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
-        x = x + _linear(a, self.w_down[...].astype(dt), cfg.cpu_kernels)
+        if cfg.mlp_act == "gelu_tanh":
+            a = jax.nn.gelu(gu[:, :, 0], approximate=True) * gu[:, :, 1]
+        else:
+            a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+        h = _linear(a, self.w_down[...].astype(dt), cfg.cpu_kernels)
+        if cfg.sandwich_norm:
+            h = rms_norm(h, self.post_mlp_norm[...], eps, off)
+        x = x + h
         x = constrain(x, ("batch", None, "embed"))
         return x, k_all, v_all
 
@@ -557,7 +729,7 @@ class Llama(nnx.Module):
         self.final_norm = _param(jnp.asarray(weights["final_norm"], pd), ("embed",))
         if not cfg.tie_embeddings:
             self.lm_head = _param(jnp.asarray(_np(weights["lm_head"]).T, pd), ("embed", "vocab"))
-        fused = fuse_layer(cfg, {k: weights[k] for k in LAYER_KEYS})
+        fused = fuse_layer(cfg, {k: weights[k] for k in layer_keys(cfg)})
         if cfg.scan_layers:
             self.layers = Block(cfg, fused, stacked=True)
         else:
@@ -565,10 +737,11 @@ class Llama(nnx.Module):
 
     def canonical_weights(self) -> dict:
         cfg = self.cfg
+        names = layer_param_names(cfg)
         if cfg.scan_layers:
-            fused = {k: getattr(self.layers, k)[...] for k in _LAYER_NAMES}
+            fused = {k: getattr(self.layers, k)[...] for k in names}
         else:
-            fused = {k: jnp.stack([getattr(b, k)[...] for b in self.layers]) for k in _LAYER_NAMES}
+            fused = {k: jnp.stack([getattr(b, k)[...] for b in self.layers]) for k in names}
         out = unfuse_layer(cfg, fused)
         out["embed"] = np.ascontiguousarray(_np(self.embed[...]).T)
         out["final_norm"] = _np(self.final_norm[...])
@@ -583,33 +756,53 @@ class Llama(nnx.Module):
         lengths = cache.lengths.astype(jnp.int32)
         positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
         cos, sin = rope_tables(positions, cfg)
+        sliding = cfg.sliding_layers
+        # sliding layers with their own RoPE base (Gemma 3) get their own tables
+        local = cfg.rope_local_theta is not None and any(sliding)
+        cos_l, sin_l = rope_tables(positions, cfg, local=True) if local else (cos, sin)
 
         x = jnp.transpose(jnp.take(self.embed[...], tokens, axis=1), (1, 2, 0)).astype(dt)  # [B,T,D]
+        if cfg.embed_scale:
+            x = x * jnp.asarray(math.sqrt(cfg.dim), dt)
         x = constrain(x, ("batch", None, "embed"))
         k_all, v_all = cache.k, cache.v
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
+            mixed = len(set(sliding)) > 1  # per-layer window / tables chosen from a scanned flag
 
             def body(carry, xs):
                 x, k_all, v_all = carry
-                st, i = xs
+                st, i, is_sliding = xs
                 blk = nnx.merge(graphdef, st)
-                return blk(x, k_all, v_all, i, positions, cos, sin), None
+                if mixed:
+                    window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW)
+                    c, s = (jnp.where(is_sliding, cos_l, cos), jnp.where(is_sliding, sin_l, sin)) if local else (cos, sin)
+                elif sliding[0]:
+                    window, c, s = cfg.sliding_window, cos_l, sin_l
+                else:
+                    window, c, s = None, cos, sin
+                return blk(x, k_all, v_all, i, positions, c, s, window), None
 
             (x, k_all, v_all), _ = jax.lax.scan(
-                body, (x, k_all, v_all), (state, jnp.arange(cfg.n_layers, dtype=jnp.int32))
+                body, (x, k_all, v_all),
+                (state, jnp.arange(cfg.n_layers, dtype=jnp.int32), jnp.asarray(sliding, bool)),
             )
         else:
             for i, blk in enumerate(self.layers):
-                x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin)
+                if sliding[i]:
+                    x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos_l, sin_l, cfg.sliding_window)
+                else:
+                    x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin)
 
-        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset)
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
         x2 = x.reshape(B * T, -1)
         if use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
             logits = small_matmul(x2, head).reshape(B, T, -1)
         else:
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        if cfg.final_softcap:
+            logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
         new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T)
         return ModelOutput(logits=logits.astype(jnp.float32), cache=new_cache,
                            hidden=x if return_hidden else None)
@@ -626,8 +819,10 @@ def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     out = {}
     for key, (name, shp) in zip(keys, sorted(shapes.items())):
-        if name.endswith("norm"):
-            out[name] = 1.0 + 0.1 * jax.random.normal(key, shp, jnp.float32)
+        if name.endswith("norm"):  # effective scale (norm_offset + w) around 1
+            out[name] = (1.0 - cfg.norm_offset) + 0.1 * jax.random.normal(key, shp, jnp.float32)
+        elif name in ("bq", "bk", "bv"):
+            out[name] = 0.1 * jax.random.normal(key, shp, jnp.float32)
         elif name == "embed":
             out[name] = jax.random.normal(key, shp, jnp.float32)
         else:

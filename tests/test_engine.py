@@ -73,6 +73,37 @@ def test_engine_law_matches_target_chain(target, draft, method, case):
     assert chi.p_value > ALPHA_SIG, f"{method}/{case}: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
+def _numpy_init(cfg, seed):
+    """LlamaLM with numpy-drawn weights (LlamaLM.init's jax.random draws compile per shape)."""
+    from specjax.models.llama import expected_shapes
+
+    rng = np.random.default_rng(seed)
+    w = {k: (1.0 + 0.1 * rng.standard_normal(s) if k.endswith("norm") else
+             rng.standard_normal(s) / (1.0 if k == "embed" else np.sqrt(s[-1]))).astype(np.float32)
+         for k, s in expected_shapes(cfg).items()}
+    return LlamaLM.from_weights(cfg, w)
+
+
+@pytest.mark.slow
+def test_engine_law_qwen3_style_models():
+    """Target and draft with Qwen3's switches (per-head q/k RMSNorm, head_dim 12 != dim /
+    n_heads, untied head); the target also has a sliding window of 3 on its first layer (Qwen
+    sliding layers) and XLA's chunked attention in 2-slot chunks, so verification steps read
+    the cache through the window. The engine's law is the target's chain law."""
+    qwen3 = dict(vocab_size=V, head_dim=12, qk_norm=True, tie_embeddings=False)
+    tgt = _numpy_init(tiny_config(n_layers=2, sliding_window=3, layer_types=("sliding", "full"),
+                                  cpu_kernels="xla", attn_chunk=2, **qwen3), seed=31)
+    drf = _numpy_init(tiny_config(n_layers=1, **qwen3), seed=32)
+    k, n, rows = 2, 4, 20_000
+    cfg = CASES["t1"]
+    jitted = dataclasses.make_dataclass("Jitted", ["vocab_size", "params", "init_cache", "apply"])(
+        V, tgt.params, tgt.init_cache, jax.jit(tgt.apply))  # the enumeration, compiled
+    law = exact_chain_law(jitted, PROMPT, n, cfg)
+    eng = engine.SpeculativeEngine(tgt, DraftModelProposer(drf, k), "token")
+    chi = chi_square_test(_engine_hist(eng, cfg, n, rows=rows, chunk=rows), law)
+    assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
+
+
 class _OffByOneRollback(engine.SpeculativeEngine):
     @staticmethod
     def target_cache_lengths(seq_len):

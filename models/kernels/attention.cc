@@ -3,8 +3,10 @@
 // attention in a decode / verification step (4.5 ms of a 25 ms 1-token step at 256 cached
 // slots).
 //
-//   q [B, T, Nkv, G, H], k_all / v_all [L, B, Nkv, S, H], layer int32[], positions int32[B, T]
-//   -> o [B, T, Nkv, G, H];  query (b, t, kv, g) sees slots s <= positions[b, t] (s < S).
+//   q [B, T, Nkv, G, H], k_all / v_all [L, B, Nkv, S, H], layer int32[], positions int32[B, T],
+//   window int32[]; attributes scale (0: 1/sqrt(H)) and softcap (0: off)
+//   -> o [B, T, Nkv, G, H];  query (b, t, kv, g) at p = positions[b, t] sees slots
+//   p - window < s <= p (s < S); scores are (q . k) * scale, then softcap * tanh(. / softcap).
 //
 // Same law as models/llama.py:cached_attention (softmax in float32, max-subtracted), in a
 // fixed order per query row that does not depend on the batch or on the other rows. Above
@@ -126,22 +128,38 @@ inline void WeightedSum(const float* __restrict w, const float* __restrict v, in
 
 struct Dims {
   int64_t B, T, Nkv, G, H, L, S;
+  int64_t window;   // a query at p sees slots p - window < s <= p
+  float scale;      // score scale (> 0)
+  float softcap;    // 0: off
 };
 
+// lowest visible slot of a query at position p (never above its highest, min(p, S - 1))
+inline int64_t LowSlot(const Dims& d, int64_t p) {
+  const int64_t hi = p < d.S - 1 ? p : d.S - 1;
+  const int64_t lo = p - d.window + 1;
+  return lo < 0 ? 0 : (lo > hi ? hi : lo);
+}
+
 // One (b, kv head), query rows [rb, re) of its T x G rows (row r = (t = r / G, g = r % G)):
-// each row against slots 0..min(pos, S-1).
+// each row against slots LowSlot(pos)..min(pos, S-1). Scores are computed for the slots
+// from `first` (the lowest visible slot over the rows, rounded down to a multiple of 16;
+// 0 without a window) to the highest one; sc holds them from `first` on.
 void Head(const Dims& d, const float* q, const float* k, const float* v, const int32_t* pos_b,
           int64_t b, int64_t h, int64_t rb, int64_t re, float* o, std::vector<float>& sc) {
   const int64_t TG = re - rb, H = d.H;
   int64_t last = 0;  // highest visible slot over the rows
+  int64_t first = d.S;  // lowest visible slot over the rows
   for (int64_t t = rb / d.G; t <= (re - 1) / d.G; ++t) {
     int64_t p = pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1;
     if (p > last) last = p;
+    const int64_t lo = LowSlot(d, pos_b[t]);
+    if (lo < first) first = lo;
   }
+  first = first / 16 * 16;
   const int64_t n = last + 1;
-  const int64_t n16 = (n + 15) / 16 * 16;
+  const int64_t n16 = (n - first + 15) / 16 * 16;
   sc.resize(TG * n16);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(H));
+  const float scale = d.scale;
   // scores[r, s] = q_r . k_s * scale, 16 slots at a time: the block of K is transposed
   // into kt[H][16] so that each query row accumulates 16 slots in one vector.
   thread_local std::vector<float> kt_buf;
@@ -150,9 +168,9 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
   // K and V of a layer usually come from DRAM (the weights stream evicts them): prefetch K
   // kPrefetchSlots ahead of the score loop, and each block's V for the weighted sums below.
   const int64_t lines = (H * 4 + 63) / 64;
-  for (int64_t s = 0; s < n && s < kPrefetchSlots; ++s)
+  for (int64_t s = first; s < n && s < first + kPrefetchSlots; ++s)
     for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(k + s * H + c * 16, 0, 3);
-  for (int64_t s0 = 0; s0 < n; s0 += 16) {
+  for (int64_t s0 = first; s0 < n; s0 += 16) {
     const int64_t nb = n - s0 < 16 ? n - s0 : 16;
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t sk = s0 + kPrefetchSlots + j;
@@ -185,15 +203,20 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
         const int64_t t = (rb + r0 + j) / d.G, g = (rb + r0 + j) % d.G;
         qr[j] = q + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
       }
-      ScoreRows(static_cast<int>(nr), qr, kt, H, scale, sc.data() + r0 * n16 + s0, n16);
+      ScoreRows(static_cast<int>(nr), qr, kt, H, scale, sc.data() + r0 * n16 + (s0 - first), n16);
     }
   }
   // per row: softmax over its visible slots, then the weighted sum of V
   for (int64_t r = 0; r < TG; ++r) {
     const int64_t t = (rb + r) / d.G, g = (rb + r) % d.G;
-    const int64_t vis = (pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1) + 1;  // slots 0..vis-1
-    float* sr = sc.data() + r * n16;
-    for (int64_t s = vis; s < n16; ++s) sr[s] = -INFINITY;  // masked (and padding)
+    const int64_t vis = (pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1) + 1;  // slots lo..vis-1
+    const int64_t lo = LowSlot(d, pos_b[t]);
+    float* sr = sc.data() + r * n16;  // sr[j] is slot first + j
+    const int64_t a = lo - first, e = vis - first;
+    if (d.softcap > 0.f)
+      for (int64_t j = a; j < e; ++j) sr[j] = d.softcap * std::tanh(sr[j] / d.softcap);
+    for (int64_t j = 0; j < a; ++j) sr[j] = -INFINITY;  // below the window
+    for (int64_t j = e; j < n16; ++j) sr[j] = -INFINITY;  // masked (and padding)
     v16 mv = load16(sr);
     for (int64_t s = 16; s < n16; s += 16) {
       const v16 x = load16(sr + s);
@@ -213,19 +236,22 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
     for (int j = 0; j < 16; ++j) l += lsum[j];
     float* orow = o + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
     const float inv = 1.0f / l;
+    const float* wr = sr + a;  // weights of slots lo..vis-1
+    const float* vr = v + lo * H;
+    const int64_t nv = vis - lo;
     if (H == 64) {
-      WeightedSum<4>(sr, v, vis, inv, orow);
+      WeightedSum<4>(wr, vr, nv, inv, orow);
     } else if (H == 128) {
-      WeightedSum<8>(sr, v, vis, inv, orow);
+      WeightedSum<8>(wr, vr, nv, inv, orow);
     } else if (H == 32) {
-      WeightedSum<2>(sr, v, vis, inv, orow);
+      WeightedSum<2>(wr, vr, nv, inv, orow);
     } else if (H == 16) {
-      WeightedSum<1>(sr, v, vis, inv, orow);
+      WeightedSum<1>(wr, vr, nv, inv, orow);
     } else {
       for (int64_t i = 0; i < H; ++i) orow[i] = 0.f;
-      for (int64_t s = 0; s < vis; ++s) {
-        const float w = sr[s];
-        const float* vs = v + s * H;
+      for (int64_t s = 0; s < nv; ++s) {
+        const float w = wr[s];
+        const float* vs = vr + s * H;
         for (int64_t i = 0; i < H; ++i) orow[i] += w * vs[i];
       }
       for (int64_t i = 0; i < H; ++i) orow[i] *= inv;
@@ -254,7 +280,8 @@ struct Job {
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
                          ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> o) {
+                         ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window, float scale,
+                         float softcap, ffi::ResultBuffer<ffi::F32> o) {
   const auto qd = q.dimensions(), kd = k_all.dimensions(), pd = positions.dimensions();
   const auto vd = v_all.dimensions();
   bool ok = qd.size() == 5 && kd.size() == 5 && vd.size() == 5 && pd.size() == 2 && kd[1] == qd[0] &&
@@ -262,7 +289,13 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   for (int i = 0; ok && i < 5; ++i) ok = vd[i] == kd[i];
   if (!ok) return ffi::Error::InvalidArgument("specjax attention: inconsistent shapes");
   Job job;
-  job.d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[3]};
+  const int64_t win = window.typed_data()[0];
+  if (win < 1) return ffi::Error::InvalidArgument("specjax attention: window must be >= 1");
+  if (!(scale >= 0.f) || !(softcap >= 0.f))
+    return ffi::Error::InvalidArgument("specjax attention: negative scale or softcap");
+  // scale 0: the default 1/sqrt(H), computed here as it always was (bit-identical results)
+  const float sc = scale > 0.f ? scale : 1.0f / std::sqrt(static_cast<float>(qd[4]));
+  job.d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4], kd[0], kd[3], win, sc, softcap};
   job.layer = layer.typed_data()[0];
   if (job.layer < 0 || job.layer >= job.d.L)
     return ffi::Error::InvalidArgument("specjax attention: layer index out of range");
@@ -282,7 +315,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   // parties than cores made step times bimodal), with each (b, kv head)'s rows split into
   // parts when there are fewer (b, kv head) pairs than ~2 per thread.
   const int64_t pairs = job.d.B * job.d.Nkv, rows = qd[1] * qd[3];
-  const double work = 4.0 * pairs * rows * qd[4] * (maxpos + 1.0);
+  const double span = static_cast<double>(maxpos + 1 < win ? maxpos + 1 : win);
+  const double work = 4.0 * pairs * rows * qd[4] * span;
   int64_t threads = pool.num_threads();
   if (threads < 1 || work < kMinParallelFlops) threads = 1;
   int64_t parts = 1;
@@ -302,4 +336,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
