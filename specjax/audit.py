@@ -245,6 +245,15 @@ def _sample_rows(rng: np.random.Generator, logprobs: np.ndarray) -> np.ndarray:
     return np.minimum((cdf <= u[:, None]).sum(-1), probs.shape[1] - 1)
 
 
+def _mc_tables(target_table, draft_table, draft_sample_table):
+    """The Monte Carlo runners' tables: (target float32, reported draft float32, target
+    normalized, the draft law tokens are sampled from, normalized)."""
+    target32 = np.asarray(target_table, np.float32)
+    reported32 = np.asarray(draft_table, np.float32)
+    sampled = normalize_table(draft_table if draft_sample_table is None else draft_sample_table)
+    return target32, reported32, normalize_table(target32), sampled
+
+
 @functools.lru_cache(maxsize=None)
 def _runner(verify_fn):
     """jit(vmap(verify_fn)), built once per verifier (memoized)."""
@@ -264,11 +273,7 @@ def monte_carlo_counts(verify_fn: VerifyFn, seed: int, target_table, draft_table
     """
     k = int(num_draft_max)
     n = k if num_draft is None else int(num_draft)
-    target32 = np.asarray(target_table, np.float32)
-    reported32 = np.asarray(draft_table, np.float32)
-    target = normalize_table(target32)
-    sampled = normalize_table(draft_table if draft_sample_table is None
-                              else draft_sample_table)
+    target32, reported32, target, sampled = _mc_tables(target_table, draft_table, draft_sample_table)
     v = target.shape[1]
     rng = np.random.default_rng(seed)
     draft = np.zeros((num_rows, k), np.int64)
@@ -708,11 +713,7 @@ def tree_monte_carlo_counts(verify_fn: TreeVerifyFn, seed: int, target_table, dr
     independent rows (jit + vmap; trees and the continuation drawn on the host with numpy
     ``seed``; float32 inputs; keys ``round_key(row_keys(seed, i), 0)``).
     Returns ``(counts int64[V**(D+1)], mean tokens emitted by the round, error count)``."""
-    target32 = np.asarray(target_table, np.float32)
-    reported32 = np.asarray(draft_table, np.float32)
-    target = normalize_table(target32)
-    sampled = normalize_table(draft_table if draft_sample_table is None
-                              else draft_sample_table)
+    target32, reported32, target, sampled = _mc_tables(target_table, draft_table, draft_sample_table)
     v = target.shape[1]
     parent = np.asarray(parent, np.int32)
     length = int(_tree.shape_depths(parent).max()) + 1

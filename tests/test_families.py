@@ -225,3 +225,43 @@ def test_unknown_architecture_and_inexpressible_configs(tmp_path):
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(HFCheckpointError, match="missing k_norm for layers \\[1\\]"):
         load_hf(d)
+
+
+def _byte_tokenizer(folder):
+    """A 256-token byte-level tokenizer (no merges; EOS = token 0) beside the checkpoint, so
+    the command line can read the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[0]}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_command_line_runs_each_family(folders, family, tmp_path, capsys):
+    """`specjax generate --model <hf folder>` (autoregressive, to keep CI short; the speculative
+    path of such folders is the engine law test above and test_cli's HF-folder runs), greedy:
+    the text is the decoded greedy continuation the Python API gives for the same prompt."""
+    import shutil
+
+    from specjax import build, cli, sampling
+    from specjax.models.tokenizer import TextStream, Tokenizer
+
+    folder = shutil.copytree(folders[family], tmp_path / family)
+    _byte_tokenizer(folder)
+    prompt = "the cat sat on the mat"
+    assert cli.main(["generate", prompt, "--raw", "--model", str(folder), "--temperature", "0",
+                     "--max-new-tokens", "12", "--json", "--draft", "none"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert 1 <= report["autoregressive"]["new_tokens"] <= 12
+    if family != "qwen3":  # one family also against the Python API (a second compile)
+        return
+    tok = Tokenizer.from_hf_folder(folder)
+    out = build.generate_autoregressive(load_hf(folder), [tok.encode(prompt)], seed=0, max_new_tokens=12,
+                                        sampling_params=sampling.SamplingConfig(temperature=0.0),
+                                        stop_tokens=list(tok.stop_ids))
+    assert report["texts"] == [TextStream.text(tok, out.tokens[0], tok.stop_ids)]
+    assert report["autoregressive"]["new_tokens"] == len(out.tokens[0])
