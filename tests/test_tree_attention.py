@@ -26,13 +26,13 @@ def _paths(parent):
     return out
 
 
-@pytest.fixture(scope="module", params=["window-chunked", "window-onepass", "scan"])
+@pytest.fixture(scope="module", params=["window-chunked", "scan-onepass"])
 def lm(request):
-    if request.param == "scan":
-        cfg = tiny_config(vocab_size=V, n_layers=2, scan_layers=True, attn_chunk=4)
-    else:  # a sliding window of 3 positions on the first layer
+    if request.param == "scan-onepass":  # scanned layers, one attention pass over all slots
+        cfg = tiny_config(vocab_size=V, n_layers=2, scan_layers=True, attn_chunk=0)
+    else:  # a sliding window of 3 positions on the first layer, attention in 2-slot chunks
         cfg = tiny_config(vocab_size=V, n_layers=2, sliding_window=3, layer_types=("sliding", "full"),
-                          attn_chunk=2 if request.param == "window-chunked" else 0)
+                          attn_chunk=2)
     return LlamaLM.init(cfg, seed=5)
 
 

@@ -131,6 +131,19 @@ def grow_tree(root_lp, expand: Callable, carry, *, topk: int, depth: int, nodes:
     return carry, tree
 
 
+def make_tree_proposer(draft, topk: int, depth: int, nodes: int):
+    """A tree proposer from a draft: an EAGLE head (:class:`EagleTreeProposer`) or a draft
+    model with tree attention (:class:`DraftModelTreeProposer`)."""
+    from specjax.models.eagle import EagleModel
+
+    if isinstance(draft, EagleModel):
+        return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes)
+    if getattr(draft, "supports_tree", False):
+        return DraftModelTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes)
+    raise TypeError(f"cannot grow a tree with {type(draft).__name__}: expected an EAGLE head "
+                    "or a draft model with tree attention")
+
+
 def _allowed(ctx: ProposeContext, position):
     if ctx.controls is None:
         return None
