@@ -122,19 +122,19 @@ def test_tree_rows_independent_of_batch_and_streamed(big):
     eng = engine.SpeculativeEngine(tgt, DraftModelTreeProposer(model=drf, topk=2, depth=3, nodes=6), "tree")
     cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0])
     kw = dict(seed=42, max_new_tokens=[20, 14, 17], stop_tokens=[9])
-    batch = eng.generate(PROMPTS, row_indices=[10, 11, 12], sampling_params=cfg, **kw)
+    st = eng.stream(PROMPTS, chunk=2, row_indices=[10, 11, 12], sampling_params=cfg, **kw)
+    got = [[] for _ in PROMPTS]
+    for new in st:
+        for i, x in enumerate(new):
+            got[i] += x
+    batch = st.output  # streamed: the same rounds and keys as generate (tests/test_engine.py)
+    assert got == batch.tokens
     for i in range(3):
         one = sampling.SamplingParams.create(1, temperature=[float(cfg.temperature[i])],
                                              top_p=[float(cfg.top_p[i])])
         alone = eng.generate([PROMPTS[i]], row_indices=[10 + i], sampling_params=one,
                              **dict(kw, max_new_tokens=kw["max_new_tokens"][i]))
         assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
-    st = eng.stream(PROMPTS, chunk=2, row_indices=[10, 11, 12], sampling_params=cfg, **kw)
-    got = [[] for _ in PROMPTS]
-    for new in st:
-        for i, x in enumerate(new):
-            got[i] += x
-    assert got == batch.tokens == st.output.tokens
 
 
 def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain():
