@@ -11,12 +11,20 @@ Token ``t`` of row ``b`` is written to cache slot ``cache.lengths[b] + t`` and s
 RoPE position ``cache.lengths[b] + t``; the returned cache has ``lengths + T``.
 A query at position ``pos`` attends to slots ``0..pos`` only, so slots at or beyond a
 row's length are stale and never read: rollback is just setting ``lengths`` back.
+
+Optional tree attention (draft trees, ``specjax.tree``): a model that sets
+``supports_tree = True`` takes ``apply(..., tree=TreeAttention(...))``: the T new tokens
+are nodes of a tree over the committed prefix (``cache.lengths``), each at its own
+position and attending to the prefix and to the tree slots the mask names (its ancestors
+and itself) only; the returned cache keeps ``lengths`` (tree entries are tentative).
+:func:`move_slots` then copies an accepted path's entries to contiguous slots.
 """
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 
@@ -41,6 +49,50 @@ class KVCache:
         return self.replace(lengths=lengths)
 
 
+class TreeAttention(NamedTuple):
+    """Tree attention of T new tokens over a REGION of W slots after the prefix.
+
+    Slot ``lengths[b] + w`` (``0 <= w < W``) of row b holds a tree node at depth
+    ``region_depth[b, w]`` (position ``lengths[b] + region_depth[b, w]``): written by this
+    call or an earlier one (incremental growth). New token t of row b is written to slot
+    ``lengths[b] + offset[b] + t`` (the new tokens fill consecutive region slots), sits at
+    position ``lengths[b] + depth[b, t]``, and attends to every prefix slot
+    ``s < lengths[b]`` (sliding windows count positions) and to the region slots w with
+    ``mask[b, t, w]`` (its ancestors and itself)."""
+
+    depth: jax.Array  # int32[B, T]
+    offset: jax.Array  # int32[B]: the first new token's region slot
+    mask: jax.Array  # bool[B, T, W]
+    region_depth: jax.Array  # int32[B, W]
+
+    @classmethod
+    def dense(cls, depth, mask) -> "TreeAttention":
+        """The whole tree in one call: token t in region slot t (``W = T``);
+        ``depth`` int32[B, T], ``mask`` bool[B, T, T] (or [T, T], broadcast)."""
+        depth = jnp.asarray(depth, jnp.int32)
+        b, t = depth.shape
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), (b, t, t))
+        return cls(depth=depth, offset=jnp.zeros((b,), jnp.int32), mask=mask, region_depth=depth)
+
+
+def move_slots(cache: KVCache, start, src, num) -> KVCache:
+    """Copy, in every layer and head, slot ``start[b] + src[b, d]`` to slot ``start[b] + d``
+    for ``d < num[b]`` (``src`` int32[B, D], ``src[b, d] >= d``: entries only move down).
+    The accepted path of a draft tree into contiguous slots; lengths unchanged."""
+    b, d = src.shape
+    s = cache.k.shape[3]
+    rows = jnp.arange(b)[:, None]
+    from_slot = jnp.clip(start[:, None] + src, 0, s - 1)  # [B, D]
+    keep = jnp.arange(d)[None, :] < num[:, None]
+    to_slot = jnp.where(keep, start[:, None] + jnp.arange(d)[None, :], s)  # s: dropped
+
+    def one(c):  # [L, B, Nkv, S, H]
+        moved = c[:, rows, :, from_slot]  # [B, D, L, Nkv, H] (advanced indices first)
+        return c.at[:, rows, :, to_slot].set(moved, mode="drop")
+
+    return cache.replace(k=one(cache.k), v=one(cache.v))
+
+
 class ModelOutput(NamedTuple):
     logits: jax.Array  # float32[B, T, V]
     cache: KVCache
@@ -57,6 +109,8 @@ class LanguageModel(Protocol):
     def init_cache(self, batch: int, max_len: int) -> KVCache: ...
 
     def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False) -> ModelOutput: ...
+
+    # optional: ``supports_tree = True`` and ``apply(..., tree=TreeAttention)`` (see above)
 
 
 PREFILL_CHUNK = 512  # prompt tokens per forward in :func:`prefill` (a power of two)

@@ -297,6 +297,26 @@ class EagleHead(nnx.Module):
         h, k_all, v_all = self._layers(x, cache.k, cache.v, positions, cos, sin, mask)
         return h, KVCache(k=k_all, v=v_all, lengths=lengths + T)
 
+    def tree_call(self, hidden, tokens, cache: KVCache, tree):
+        """:meth:`__call__` for tree nodes (``tree``: a
+        :class:`specjax.models.base.TreeAttention` over the pairs after ``cache.lengths``):
+        pair t sits at position ``lengths + tree.depth[:, t]``, is written to region slot
+        ``tree.offset + t`` and attends to the prefix and the region slots its mask names.
+        The returned cache keeps ``lengths``."""
+        from specjax.models.llama import _tree_visible
+
+        lcfg = self.cfg.layer_config()
+        B, T = tokens.shape
+        lengths = cache.lengths.astype(jnp.int32)
+        positions = lengths[:, None] + tree.depth.astype(jnp.int32)
+        slots = lengths[:, None] + tree.offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        cos, sin = rope_tables(positions, lcfg)
+        mask = _tree_visible(jnp.arange(cache.max_len, dtype=jnp.int32), positions,
+                             (lengths, tree.mask, tree.region_depth), None)
+        x = self._inputs(hidden, tokens)
+        h, k_all, v_all = self._layers(x, cache.k, cache.v, slots, cos, sin, mask)
+        return h, KVCache(k=k_all, v=v_all, lengths=lengths)
+
     # ------------------------------------------------------------------ training pass
     def unrolled(self, hidden, tokens, n_steps: int):
         """Teacher-forced pass over whole sequences for draft positions 1..n_steps.

@@ -59,7 +59,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
-from specjax.models.base import KVCache, ModelOutput
+from specjax.models.base import KVCache, ModelOutput, TreeAttention
 from specjax.models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
 
 # --------------------------------------------------------------------------------------
@@ -366,6 +366,26 @@ def _visible(slots, qpos, window):
     return ok
 
 
+def _tree_visible(slots, qpos, tree, window):
+    """Visibility [B, T, C] of cache ``slots`` [C] from the tree tokens at positions
+    ``qpos`` [B, T] (``tree``: ``(lengths [B], mask [B, T, W], region_depth [B, W])``):
+    prefix slots (``< lengths``) are visible, region slots where the mask says so; with a
+    ``window`` a slot is also visible only if its position (a region slot's: ``lengths +``
+    its depth) is ``> qpos - window``. Slots past the region are never visible."""
+    lengths, mask, region_depth = tree
+    B, T, W = mask.shape
+    rel = slots[None, :] - lengths[:, None]  # [B, C]
+    in_reg = (rel >= 0) & (rel < W)
+    relc = jnp.clip(rel, 0, W - 1)
+    m = jnp.take_along_axis(mask, jnp.broadcast_to(relc[:, None, :], (B, T, relc.shape[1])), axis=2)
+    ok = (rel < 0)[:, None, :] | (in_reg[:, None, :] & m)
+    if window is not None:
+        spos = jnp.where(in_reg, lengths[:, None] + jnp.take_along_axis(region_depth, relc, axis=1),
+                         slots[None, :])
+        ok = ok & (spos[:, None, :] > qpos[:, :, None] - window)
+    return ok
+
+
 def attention(q, k, v, mask, scale=None, softcap: float = 0.0):
     """One pass. q [B,T,Nkv,G,H], k/v [B,Nkv,S,H], mask bool[B,T,S] -> [B,T,Nkv,G,H]."""
     B, T, _, G, _ = q.shape
@@ -383,7 +403,7 @@ _NEG = -1e30  # finite "minus infinity": a fully masked chunk gives exp(_NEG - m
 
 
 def cached_attention(q, k_all, v_all, layer, positions, chunk: int, window=None, scale=None,
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, tree=None):
     """Causal attention of q [B,T,Nkv,G,H] (at ``positions`` [B,T]) over layer ``layer`` of
     the cache ``[L,B,Nkv,S,H]``: slot s is visible to position p iff s <= p, and with a
     ``window`` (an int, possibly traced; None: off) also iff s > p - window. ``scale``: the
@@ -396,22 +416,36 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int, window=None,
     after it; a chunk fully masked for a row contributes exactly zero (with a window, a row's
     first chunks may all be masked: their terms are zeroed explicitly). The cache keeps each
     head's slots contiguous ([.., Nkv, S, H]), so a chunk is a plain slice and both products
-    are batched over (row, kv head) without transposing the cache."""
+    are batched over (row, kv head) without transposing the cache.
+
+    ``tree`` (``(lengths, mask, region_depth)``, see :class:`specjax.models.base.TreeAttention`):
+    tree attention instead of causal; visibility by :func:`_tree_visible`. ``None`` leaves
+    the causal computation exactly as it is."""
     L, B, Nkv, S, H = k_all.shape
     T, G = q.shape[1], q.shape[3]
     dt = q.dtype
     if chunk <= 0 or chunk >= S:
         slots = jnp.arange(S, dtype=jnp.int32)
-        mask = _visible(slots[None, None, :], positions[:, :, None], window)
+        if tree is None:
+            mask = _visible(slots[None, None, :], positions[:, :, None], window)
+        else:
+            mask = _tree_visible(slots, positions, tree, window)
         return attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask, scale, softcap)
 
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     qh = _heads_first(q) * jnp.asarray(scale, dt)  # [B, Nkv, TG, H]
     qpos = jnp.repeat(positions, G, axis=1)  # [B, TG]
-    n_chunks = (jnp.max(positions) + chunk) // chunk  # chunks holding slots 0..max position
+    if tree is None:
+        n_chunks = (jnp.max(positions) + chunk) // chunk  # chunks holding slots 0..max position
+    else:  # chunks holding slots 0..the last region slot (at most every chunk)
+        last = jnp.max(tree[0]) + tree[1].shape[-1] - 1
+        n_chunks = jnp.minimum((last + chunk) // chunk, -(-S // chunk))
     first = 0
     if window is not None:  # chunks below every row's window hold no visible slot
-        first = jnp.maximum(jnp.min(positions) - window + 1, 0) // chunk
+        low = jnp.min(positions) - window + 1
+        if tree is not None:  # region slots sit at or after the prefix
+            low = jnp.minimum(low, jnp.min(tree[0]))
+        first = jnp.maximum(low, 0) // chunk
 
     def body(c, carry):
         m, l, acc = carry  # [B,Nkv,TG], [B,Nkv,TG], [B,Nkv,TG,H] (float32)
@@ -420,13 +454,17 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int, window=None,
         kc = jax.lax.dynamic_slice(k_all, (layer, 0, 0, start, 0), (1, B, Nkv, chunk, H))[0].astype(dt)
         vc = jax.lax.dynamic_slice(v_all, (layer, 0, 0, start, 0), (1, B, Nkv, chunk, H))[0].astype(dt)
         slots = start + jnp.arange(chunk, dtype=jnp.int32)
-        ok = _visible(slots[None, None, :], qpos[:, :, None], window) & (slots >= nominal)[None, None, :]  # [B,TG,C]
+        if tree is None:
+            ok = _visible(slots[None, None, :], qpos[:, :, None], window)
+        else:
+            ok = jnp.repeat(_tree_visible(slots, positions, tree, window), G, axis=1)
+        ok = ok & (slots >= nominal)[None, None, :]  # [B,TG,C]
         s = jnp.einsum("bkqh,bkch->bkqc", qh, kc, preferred_element_type=jnp.float32)
         s = _softcap(s, softcap)
         s = jnp.where(ok[:, None], s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
-        if window is not None:  # a row with no visible slot yet has m_new = _NEG and p = 1
+        if window is not None or tree is not None:  # a row with no visible slot yet has m_new = _NEG and p = 1
             p = jnp.where(ok[:, None], p, 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(-1)
@@ -647,9 +685,10 @@ class Block(nnx.Module):
         for k, names in layer_param_names(cfg).items():
             setattr(self, k, _param(jnp.asarray(w[k], pd), (("layers",) if stacked else ()) + names))
 
-    def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None):
+    def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None, tree=None):
         """``window``: this layer's sliding window (an int, traced in the scanned path) or
-        None for full causal attention."""
+        None for full causal attention. ``tree``: ``(slots [B, T], lengths, mask,
+        region_depth)`` for tree attention (new KV written at ``slots``; the XLA path)."""
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T, D = x.shape
@@ -666,10 +705,13 @@ class Block(nnx.Module):
             k = rms_norm(k, self.k_norm[...], eps, off)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_all = _write_cache(k_all, layer, k, positions)
-        v_all = _write_cache(v_all, layer, v, positions)
+        slots = positions if tree is None else tree[0]
+        k_all = _write_cache(k_all, layer, k, slots)
+        v_all = _write_cache(v_all, layer, v, slots)
         attn = dict(window=window, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
-        if use_attention(cfg.cpu_kernels, q, k_all):
+        if tree is not None:  # the FFI kernel knows causal masks only: tree masks use XLA
+            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, tree=tree[1:], **attn)
+        elif use_attention(cfg.cpu_kernels, q, k_all):
             o = kernel_attention(q, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk, **attn)
         else:
             o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, **attn)  # [B,T,Nkv,G,H]
@@ -749,12 +791,20 @@ class Llama(nnx.Module):
             out["lm_head"] = np.ascontiguousarray(_np(self.lm_head[...]).T)
         return out
 
-    def __call__(self, tokens, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
+    def __call__(self, tokens, cache: KVCache, return_hidden: bool = False,
+                 tree: Optional[TreeAttention] = None) -> ModelOutput:
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T = tokens.shape
         lengths = cache.lengths.astype(jnp.int32)
-        positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+        if tree is None:
+            positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+            tv = None
+        else:  # tree nodes: positions by depth, KV at their region slots
+            positions = lengths[:, None] + jnp.asarray(tree.depth, jnp.int32)
+            tv = (lengths[:, None] + jnp.asarray(tree.offset, jnp.int32)[:, None]
+                  + jnp.arange(T, dtype=jnp.int32)[None], lengths,
+                  jnp.asarray(tree.mask, bool), jnp.asarray(tree.region_depth, jnp.int32))
         cos, sin = rope_tables(positions, cfg)
         sliding = cfg.sliding_layers
         # sliding layers with their own RoPE base (Gemma 3) get their own tables
@@ -781,7 +831,7 @@ class Llama(nnx.Module):
                     window, c, s = cfg.sliding_window, cos_l, sin_l
                 else:
                     window, c, s = None, cos, sin
-                return blk(x, k_all, v_all, i, positions, c, s, window), None
+                return blk(x, k_all, v_all, i, positions, c, s, window, tv), None
 
             (x, k_all, v_all), _ = jax.lax.scan(
                 body, (x, k_all, v_all),
@@ -790,9 +840,9 @@ class Llama(nnx.Module):
         else:
             for i, blk in enumerate(self.layers):
                 if sliding[i]:
-                    x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos_l, sin_l, cfg.sliding_window)
+                    x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos_l, sin_l, cfg.sliding_window, tv)
                 else:
-                    x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin)
+                    x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin, None, tv)
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset)
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
@@ -803,7 +853,7 @@ class Llama(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         if cfg.final_softcap:
             logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
-        new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T)
+        new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T if tree is None else lengths)
         return ModelOutput(logits=logits.astype(jnp.float32), cache=new_cache,
                            hidden=x if return_hidden else None)
 
@@ -871,8 +921,14 @@ class LlamaLM:
         dt = c.compute_dtype if dtype is None else dtype
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
 
-    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
-        return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden)
+    supports_tree = True  # apply(..., tree=TreeAttention): see specjax.models.base
+
+    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False,
+              tree: Optional[TreeAttention] = None) -> ModelOutput:
+        """``tree``: tree attention (:class:`specjax.models.base.TreeAttention`; the XLA
+        attention path even where the CPU attention kernel is on; lengths unchanged)."""
+        return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden,
+                                                tree)
 
     def __call__(self, tokens, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
         return self.apply(self.params, tokens, cache, return_hidden)

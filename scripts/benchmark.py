@@ -72,7 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--ks", type=_csv(int), default=None, help="comma-separated K values (all batch sizes)")
     ap.add_argument("--batch-sizes", type=_csv(int), default=None)
     ap.add_argument("--temperatures", type=_csv(float), default=None)
-    ap.add_argument("--methods", type=_csv(str), default=None, help="token,block")
+    ap.add_argument("--methods", type=_csv(str), default=None, help="token,block,tree")
+    ap.add_argument("--tree-topk", type=int, default=None, help="method tree: children per expanded node")
+    ap.add_argument("--tree-nodes", type=int, default=None, help="method tree: nodes per tree (K is its depth)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -100,6 +102,9 @@ def main(argv=None) -> int:
                 out_dir=args.out, temperatures=args.temperatures, methods=args.methods, publish_dir=args.publish_dir)
     if args.ks is not None:
         over.update(ks=args.ks, ks_by_batch=())
+    for name_ in ("tree_topk", "tree_nodes"):
+        if getattr(args, name_) is not None:
+            over[name_] = getattr(args, name_)
     if args.batch_sizes is not None:
         over["batch_sizes"] = args.batch_sizes
     if args.markdown is not None:

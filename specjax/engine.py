@@ -39,12 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import keys, sampling, verify
+from specjax import keys, sampling, tree as _tree, verify
 from specjax.drafts.base import CommitContext, ProposeContext, Proposer
-from specjax.models.base import PREFILL_CHUNK, prefill
+from specjax.drafts.trees import ChainTreeProposer, is_tree_proposer
+from specjax.models.base import PREFILL_CHUNK, TreeAttention, move_slots, prefill
 from specjax.sampling import process_rows, sample_rows
 
-METHODS = ("token", "block", "greedy")
+METHODS = ("token", "block", "greedy", "tree")
 PAD_ID = verify.PAD_ID
 _NO_STOP = -2  # never a token id
 
@@ -367,6 +368,22 @@ class RoundStats:
         )
 
 
+    def update_tree(self, active, num_nodes, num_accepted, max_depth) -> "RoundStats":
+        """A tree round: ``drafted`` counts valid nodes; depth i counts as reached when the
+        accepted path got to depth i and the tree had a node that deep (no overlap)."""
+        d = self.reached_pos.shape[1]
+        pos = jnp.arange(d)[None, :]
+        reached = (pos <= num_accepted[:, None]) & (pos < max_depth[:, None]) & active[:, None]
+        acc = (pos < num_accepted[:, None]) & active[:, None]
+        return self.replace(
+            rounds=self.rounds + active.astype(jnp.int32),
+            drafted=self.drafted + jnp.where(active, num_nodes, 0),
+            accepted=self.accepted + jnp.where(active, num_accepted, 0),
+            reached_pos=self.reached_pos + reached.astype(jnp.int32),
+            accepted_pos=self.accepted_pos + acc.astype(jnp.int32),
+        )
+
+
 @flax.struct.dataclass
 class SpecCarry:
     """The speculative while loop's carry."""
@@ -598,6 +615,13 @@ class SpeculativeEngine(_Sharded):
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(proposer, Proposer):
             raise TypeError(f"{type(proposer).__name__} is not a Proposer (specjax.drafts.base)")
+        if method == "tree" and not is_tree_proposer(proposer):
+            proposer = ChainTreeProposer(proposer)  # a chain is a tree with one child per node
+        if is_tree_proposer(proposer):
+            if method not in ("tree", "greedy"):
+                raise ValueError(f"a tree proposer is verified with method 'tree' or 'greedy', not {method!r}")
+            if not getattr(target, "supports_tree", False):
+                raise TypeError(f"the target {type(target).__name__} does not take tree attention")
         k = proposer.k
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"K must be an integer >= 1, got {k!r}")
@@ -620,6 +644,16 @@ class SpeculativeEngine(_Sharded):
     @property
     def k(self) -> int:
         return self.proposer.k
+
+    @property
+    def tree(self) -> bool:
+        """Tree rounds (a tree proposer, or a chain under ``method="tree"``)."""
+        return is_tree_proposer(self.proposer)
+
+    @property
+    def stat_positions(self) -> int:
+        """Draft positions the per-position statistics count (K, or a tree's depth)."""
+        return self.proposer.tree_depth if self.tree else self.k
 
     # -- device programs --------------------------------------------------------------
     # _run: a whole generation (prefill + the loop until every row is done); _start and
@@ -645,9 +679,11 @@ class SpeculativeEngine(_Sharded):
         if self.method == "greedy":
             params = params.replace(temperature=jnp.zeros_like(params.temperature))
 
+        round_fn = self._tree_round if self.tree else self._round
+
         def body(c: SpecCarry) -> SpecCarry:
-            return self._round(c, target_params, draft_params, row_keys, params, controls,
-                               max_new, stop_ids, use_penalties)
+            return round_fn(c, target_params, draft_params, row_keys, params, controls,
+                            max_new, stop_ids, use_penalties)
 
         def more(c: SpecCarry):
             go = ~jnp.all(c.state.done)
@@ -686,7 +722,7 @@ class SpeculativeEngine(_Sharded):
                                hidden if want_hidden else None)
         state = DecodeState.initial(prompts, prompt_lens, out_cap + k + 1, cache_len + k + 1,
                                     tgt.vocab_size, max_new)
-        return SpecCarry(state=self._c_state(state), stats=RoundStats.zeros(b, k),
+        return SpecCarry(state=self._c_state(state), stats=RoundStats.zeros(b, self.stat_positions),
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
                          round=jnp.int32(0))
 
@@ -736,6 +772,95 @@ class SpeculativeEngine(_Sharded):
                          stats=c.stats.update(active, nd, n_acc, q_lp, p_lp),
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
                          round=c.round + 1)
+
+    def _tree_round(self, c: SpecCarry, target_params, draft_params, row_keys, params, controls,
+                    max_new, stop_ids, use_penalties) -> SpecCarry:
+        """One round with a draft tree: propose a tree, score all its nodes in ONE target
+        forward with tree attention, process, verify (:mod:`specjax.tree`), commit, move
+        the accepted path's KV to contiguous slots, hand the proposer the target's
+        hidden states along the path."""
+        state = c.state
+        active = ~state.done
+        round_keys = jax.vmap(lambda kk: keys.round_key(kk, c.round))(row_keys)
+        depth_max = self.proposer.tree_depth
+        ctx = ProposeContext(seq=state.seq, seq_len=state.seq_len, params=params,
+                             counts=state.counts, round_keys=round_keys,
+                             use_penalties=use_penalties, top_values=self._top_values,
+                             gen_len=state.gen_len, controls=controls)
+        with self._role("draft"):
+            proposal = self.proposer.propose(draft_params, c.proposer_state, ctx)
+        tree = proposal.tree
+        tgt = self.target
+        b, n = tree.tokens.shape
+        v = tgt.vocab_size
+        tokens = jnp.clip(tree.tokens, 0, v - 1)
+        anc = self.tree_mask(tree)  # [B, N, N]
+        # the committed last token (the root, depth 0) then the nodes
+        full_mask = jnp.concatenate([
+            jnp.concatenate([jnp.ones((b, 1, 1), bool), jnp.zeros((b, 1, n), bool)], axis=2),
+            jnp.concatenate([jnp.ones((b, n, 1), bool), anc], axis=2)], axis=1)
+        depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depth.astype(jnp.int32)], axis=1)
+        want_hidden = self.proposer.needs_target_hidden
+        o = tgt.apply(target_params, jnp.concatenate([state.last_tokens()[:, None], tokens], axis=1),
+                      c.target_cache, return_hidden=want_hidden,
+                      tree=TreeAttention.dense(depth, full_mask))
+        t_logits = self._c(o.logits, _LOGITS)
+
+        def node_counts():  # history at each context: committed tokens + the node's path
+            oh = jax.nn.one_hot(tokens, v, dtype=state.counts.dtype) * tree.valid[..., None]
+            path = jnp.einsum("bij,bjv->biv", anc.astype(state.counts.dtype), oh)
+            return state.counts[:, None, :] + jnp.concatenate(
+                [jnp.zeros((b, 1, v), state.counts.dtype), path], axis=1)
+
+        p_lp = self._c(process_rows(t_logits, params, node_counts, use_penalties,
+                                    allowed=controls.allowed_at(state.gen_len[:, None] + depth),
+                                    bias=controls.bias_at(3), top_values=self._top_values), _LOGITS)
+        res = self._tree_verify(round_keys, tree, p_lp, depth_max)
+        n_acc = res.num_accepted
+        c0 = state.seq_len
+        state, _ = state.commit(res.tokens, n_acc + 1, stop_ids, max_new, res.error)
+        ok = active & ~res.error
+        path = jnp.maximum(res.path, 0)
+        # node i sits at slot c0 + i; the path's d-th node goes to slot c0 + d
+        tcache = self.accepted_path_cache(o.cache, c0, path, jnp.where(ok, n_acc, 0))
+        tcache = self._c_cache(tcache.with_lengths(self.target_cache_lengths(state.seq_len)))
+        hidden = None
+        if want_hidden:  # entry 0: after the root token; entry d: after the path's d-th node
+            idx = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), 1 + path], axis=1)
+            hidden = jnp.take_along_axis(o.hidden, idx[:, :, None], axis=1)
+        with self._role("draft"):
+            pstate = self.proposer.commit(draft_params, proposal.state, CommitContext(
+                seq=state.seq, seq_len=state.seq_len, target_hidden=hidden,
+                num_new=jnp.where(ok, n_acc + 1, 0)))
+        valid_depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)
+        return SpecCarry(state=self._c_state(state),
+                         stats=c.stats.update_tree(active, jnp.sum(tree.valid, axis=1).astype(jnp.int32),
+                                                   n_acc, valid_depth),
+                         target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
+                         round=c.round + 1)
+
+    @staticmethod
+    def tree_mask(tree) -> jax.Array:
+        """bool[B, N, N]: node i attends to node j iff j is i or an ancestor of i."""
+        return jax.vmap(_tree.ancestor_mask)(tree.parent, tree.valid) | jnp.eye(tree.parent.shape[1], dtype=bool)
+
+    @staticmethod
+    def accepted_path_cache(cache, start, path, num):
+        """The target's cache with the accepted path's KV moved to contiguous slots."""
+        return move_slots(cache, start, path, num)
+
+    def _tree_verify(self, round_keys, tree, p_lp, max_depth) -> _tree.TreeVerifyResult:
+        """vmap of the one-row tree verifier over the batch."""
+        if self.method == "greedy":
+            return jax.vmap(lambda t, lp: _tree.greedy_tree_verify(t, lp[0], lp[1:], max_depth=max_depth))(
+                tree, p_lp)
+        cand = self.proposer.candidates
+
+        def rows(single):
+            return lambda _: jax.vmap(lambda kk, t, lp: _tree.tree_verify(
+                kk, t, lp[0], lp[1:], cand, max_depth=max_depth, single=single))(round_keys, tree, p_lp)
+
+        return jax.lax.cond(sampling.at_most_one_possible(p_lp), rows(True), rows(False), None)
 
     def _score(self, target_params, state: DecodeState, x, nd, tcache):
         """The target's forward over [s[c-1], x_1..x_K] -> (logits [B, K+1, V], final hidden

@@ -11,7 +11,10 @@ import numpy as np
 from scripts.bench import REPO
 from specjax.configs import load_config
 
-METHODS = ("token", "block")  # the verification methods a benchmark may time
+# the verification methods a benchmark may time; "tree": the draft grows a tree
+# (specjax.drafts.trees.make_tree_proposer) of depth K, tree_topk children per expanded
+# node and tree_nodes nodes, verified in one tree-attention pass
+METHODS = ("token", "block", "tree")
 
 
 def _tuple(x, typ):
@@ -51,7 +54,9 @@ class BenchConfig:
     chat_template: bool = True
     max_new_tokens: int = 64
     temperatures: tuple = (0.0, 0.7, 1.0)
-    methods: tuple = METHODS
+    methods: tuple = ("token", "block")
+    tree_topk: int = 4  # method "tree": children per expanded node (K is the depth)
+    tree_nodes: int = 16  # method "tree": nodes per tree
     batch_sizes: tuple = (1, 4, 16)
     ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     ks_by_batch: tuple = ()  # ((batch, (k, ...)), ...): K grid per batch size (default: ks)

@@ -20,6 +20,7 @@ import numpy as np
 
 from specjax import audit, sampling
 from specjax.drafts import ProposeContext, make_proposer
+from specjax.drafts.trees import make_tree_proposer
 from specjax.engine import AutoregressiveEngine, SpeculativeEngine, bucket, cache_len_for
 
 from scripts.bench.report import fmt, loadavg, log
@@ -313,7 +314,11 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
         for gi, k in enumerate(ks):
             engines = {}
             for mi, method in enumerate(cfg.methods):
-                eng = SpeculativeEngine(target, make_proposer(runner.draft, k, target.vocab_size), method)
+                if method == "tree":
+                    prop = make_tree_proposer(runner.draft, cfg.tree_topk, k, cfg.tree_nodes)
+                else:
+                    prop = make_proposer(runner.draft, k, target.vocab_size)
+                eng = SpeculativeEngine(target, prop, method)
                 t0 = time.perf_counter()
                 first = runner.warm(eng, batch)
                 engines[method] = (eng, first, time.perf_counter() - t0, mi)

@@ -76,9 +76,11 @@ class CommitContext(NamedTuple):
 
 class Proposal(NamedTuple):
     tokens: jax.Array  # int32[B, K]
-    logprobs: jax.Array  # float32[B, K, V]
+    logprobs: jax.Array  # float32[B, K, V] (None for a tree of point masses)
     num_draft: jax.Array  # int32[B]
     state: Any
+    # tree proposers (specjax.drafts.trees): a batched specjax.tree.DraftTree, else None
+    tree: Any = None
 
 
 @runtime_checkable

@@ -1,0 +1,157 @@
+"""Draft trees through the engine: the exact law of whole generations (chi-square against
+the target's chain law, several rounds with rollback) for a tree grown by a tiny draft
+model, mutants the law test rejects (a wrong tree mask, the accepted path's KV left where
+it was), greedy trees equal autoregressive greedy decoding, a chain as a tree draws what
+the chain verifier draws, streaming and batch invariance."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import engine, sampling
+from specjax.audit import chi_square_test
+from specjax.drafts import DraftModelProposer, EagleProposer
+from specjax.drafts.trees import DraftModelTreeProposer, EagleTreeProposer
+from specjax.models.eagle import EagleConfig, EagleModel
+from specjax.models.llama import LlamaLM, tiny_config
+from tests.engine_law import exact_chain_law, histogram
+
+V = 8
+PROMPT = [1, 5, 2]
+N_TOK = 4  # a tree round emits at most depth + 1 = 3 tokens: at least two rounds
+ROWS = 20_000
+ALPHA_SIG = 1e-3
+# penalties: the target's law at a node depends on the node's path (its ancestors' tokens)
+CFG = sampling.SamplingConfig(temperature=0.9, repetition_penalty=1.8, presence_penalty=0.7)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22)
+
+
+@pytest.fixture(scope="module")
+def law(target):
+    law = exact_chain_law(target, PROMPT, N_TOK, CFG)
+    assert abs(law.sum() - 1) < 1e-5
+    return law
+
+
+def _tree(draft):
+    return DraftModelTreeProposer(model=draft, topk=2, depth=2, nodes=4)
+
+
+class _CausalTreeMask(engine.SpeculativeEngine):
+    """Every node attends to every earlier node (a chain's mask), not to its ancestors only."""
+
+    @staticmethod
+    def tree_mask(tree):
+        n = tree.parent.shape[1]
+        return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), tree.parent.shape + (n,))
+
+
+class _PathNotMoved(engine.SpeculativeEngine):
+    """The accepted path's KV stays at the nodes' slots: the next round reads stale KV."""
+
+    @staticmethod
+    def accepted_path_cache(cache, start, path, num):
+        return cache
+
+
+def _hist(eng):
+    out = eng.generate([PROMPT] * ROWS, seed=0, row_indices=np.arange(ROWS), sampling_params=CFG,
+                       max_new_tokens=N_TOK)
+    toks = np.array(out.tokens)
+    assert toks.shape == (ROWS, N_TOK)
+    return histogram(toks, V, N_TOK), out.stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["tree", "tree_mutant_causal_mask", "tree_mutant_path_not_moved"])
+def test_tree_engine_law(target, draft, law, variant):
+    cls = {"tree": engine.SpeculativeEngine, "tree_mutant_causal_mask": _CausalTreeMask,
+           "tree_mutant_path_not_moved": _PathNotMoved}[variant]
+    hist, stats = _hist(cls(target, _tree(draft), "tree"))
+    chi = chi_square_test(hist, law)
+    print(f"{variant}: chi-square {chi.statistic:.1f}, p={chi.p_value:.3e}")
+    if variant == "tree":
+        # the tree did its work: paths of depth 2 were accepted, not only first children
+        assert np.mean([s.accepted / s.rounds for s in stats[:500]]) > 0.3
+        assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
+    else:
+        assert chi.p_value < ALPHA_SIG, f"mutant passed: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
+
+
+PROMPTS = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 1], [2, 2]]
+
+
+@pytest.fixture(scope="module")
+def big():
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32, sliding_window=5,
+                                   layer_types=("sliding", "full"), attn_chunk=4), seed=5)
+    drf = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6)
+    return tgt, drf
+
+
+def test_greedy_tree_equals_autoregressive(big):
+    tgt, drf = big
+    ar = engine.AutoregressiveEngine(tgt).generate(PROMPTS, seed=0, greedy=True, max_new_tokens=30)
+    prop = DraftModelTreeProposer(model=drf, topk=3, depth=3, nodes=8)
+    sp = engine.SpeculativeEngine(tgt, prop, "greedy").generate(PROMPTS, seed=0, max_new_tokens=30)
+    assert sp.tokens == ar.tokens
+    assert sum(s.accepted for s in sp.stats) > 0
+
+
+def test_chain_as_tree_draws_what_the_chain_verifier_draws(big):
+    tgt, drf = big
+    kw = dict(seed=4, max_new_tokens=20, sampling_params=sampling.SamplingConfig(temperature=1.0))
+    chain = engine.SpeculativeEngine(tgt, DraftModelProposer(drf, 3), "token").generate(PROMPTS, **kw)
+    tree = engine.SpeculativeEngine(tgt, DraftModelProposer(drf, 3), "tree").generate(PROMPTS, **kw)
+    assert tree.tokens == chain.tokens
+    assert [s.rounds for s in tree.stats] == [s.rounds for s in chain.stats]
+
+
+def test_tree_rows_independent_of_batch_and_streamed(big):
+    tgt, drf = big
+    eng = engine.SpeculativeEngine(tgt, DraftModelTreeProposer(model=drf, topk=2, depth=3, nodes=6), "tree")
+    cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0])
+    kw = dict(seed=42, max_new_tokens=[20, 14, 17], stop_tokens=[9])
+    st = eng.stream(PROMPTS, chunk=2, row_indices=[10, 11, 12], sampling_params=cfg, **kw)
+    got = [[] for _ in PROMPTS]
+    for new in st:
+        for i, x in enumerate(new):
+            got[i] += x
+    batch = st.output  # streamed: the same rounds and keys as generate (tests/test_engine.py)
+    assert got == batch.tokens
+    for i in range(3):
+        one = sampling.SamplingParams.create(1, temperature=[float(cfg.temperature[i])],
+                                             top_p=[float(cfg.top_p[i])])
+        alone = eng.generate([PROMPTS[i]], row_indices=[10 + i], sampling_params=one,
+                             **dict(kw, max_new_tokens=kw["max_new_tokens"][i]))
+        assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
+
+
+def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain():
+    """A top-1 EAGLE tree is the head's greedy chain: the same rounds as the chain proposer
+    (the head continues from the target's features along the accepted path); a wider tree
+    gives the same (autoregressive greedy) tokens in no more rounds (a tree at
+    temperature 0: point-mass verification of greedy rows)."""
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
+                                                           head_dim=8, ffn_dim=32), seed=1)
+    cfg = sampling.SamplingConfig(temperature=0.0)
+    kw = dict(seed=0, sampling_params=cfg, max_new_tokens=30)
+    chain = engine.SpeculativeEngine(tgt, EagleProposer(em, 3), "greedy").generate(PROMPTS, **kw)
+    top1 = engine.SpeculativeEngine(tgt, EagleTreeProposer(model=em, topk=1, depth=3, nodes=3),
+                                    "greedy").generate(PROMPTS, **kw)
+    wide = engine.SpeculativeEngine(tgt, EagleTreeProposer(model=em, topk=3, depth=3, nodes=10),
+                                    "tree").generate(PROMPTS, **kw)
+    assert chain.tokens == top1.tokens == wide.tokens  # the chain's are the autoregressive ones
+    assert [s.rounds for s in top1.stats] == [s.rounds for s in chain.stats]
+    assert sum(s.rounds for s in wide.stats) <= sum(s.rounds for s in chain.stats)
