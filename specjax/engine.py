@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import keys, sampling, tree as _tree, verify
-from specjax.drafts.base import CommitContext, ProposeContext, Proposer
-from specjax.drafts.trees import ChainTreeProposer, is_tree_proposer
+from specjax.drafts.base import ChainTreeProposer, CommitContext, ProposeContext, Proposer, is_tree_proposer
 from specjax.models.base import PREFILL_CHUNK, TreeAttention, move_slots, prefill
 from specjax.sampling import process_rows, sample_rows
 

@@ -26,6 +26,7 @@ generation controls) so that q is processed exactly like the target's p.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import jax
@@ -136,3 +137,39 @@ class ModelBackedProposer:
     @property
     def params(self):
         return self.model.params
+
+
+def is_tree_proposer(proposer) -> bool:
+    """The proposer returns draft trees (``Proposal.tree``; it has ``tree_depth``)."""
+    return getattr(proposer, "tree_depth", None) is not None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ChainTreeProposer:
+    """A chain proposer's drafts as a chain tree (``"iid"``: each node drawn from its q)."""
+
+    inner: Any
+    candidates: str = "iid"
+
+    def __getattr__(self, name):  # k, vocab_size, params, init, flags: the inner proposer's
+        return getattr(self.inner, name)
+
+    @property
+    def tree_depth(self) -> int:
+        return self.inner.k
+
+    @property
+    def tree_nodes(self) -> int:
+        return self.inner.k
+
+    def propose(self, params, state, ctx: ProposeContext) -> Proposal:
+        p = self.inner.propose(params, state, ctx)
+        from specjax.tree import chain_tree
+
+        tree = jax.vmap(chain_tree)(p.tokens, p.logprobs, p.num_draft)
+        return p._replace(tree=tree)
+
+    def commit(self, params, state, ctx: CommitContext):
+        return self.inner.commit(params, state, ctx)
+
+

@@ -39,13 +39,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.drafts.base import CommitContext, ModelBackedProposer, Proposal, ProposeContext
+from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_proposer: re-exported)
+    ChainTreeProposer, CommitContext, ModelBackedProposer, Proposal, ProposeContext, is_tree_proposer)
 from specjax.models.base import TreeAttention, prefill
-from specjax.tree import DraftTree, chain_tree
-
-
-def is_tree_proposer(proposer) -> bool:
-    return getattr(proposer, "tree_depth", None) is not None
+from specjax.tree import DraftTree
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -149,33 +146,6 @@ def _allowed(ctx: ProposeContext, position):
         return None
     gen = jnp.zeros_like(ctx.seq_len) if ctx.gen_len is None else ctx.gen_len
     return ctx.controls.allowed_at(gen + position)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ChainTreeProposer:
-    """A chain proposer's drafts as a chain tree (``"iid"``: each node drawn from its q)."""
-
-    inner: Any
-    candidates: str = "iid"
-
-    def __getattr__(self, name):  # k, vocab_size, params, init, flags: the inner proposer's
-        return getattr(self.inner, name)
-
-    @property
-    def tree_depth(self) -> int:
-        return self.inner.k
-
-    @property
-    def tree_nodes(self) -> int:
-        return self.inner.k
-
-    def propose(self, params, state, ctx: ProposeContext) -> Proposal:
-        p = self.inner.propose(params, state, ctx)
-        tree = jax.vmap(chain_tree)(p.tokens, p.logprobs, p.num_draft)
-        return p._replace(tree=tree)
-
-    def commit(self, params, state, ctx: CommitContext):
-        return self.inner.commit(params, state, ctx)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
