@@ -419,6 +419,9 @@ def run_generate(a) -> int:
                                     "new_tokens": n}
         report["texts"] = _texts(ar, tok)
     elif a.compare:
+        if stream_to is not None:  # the timed passes run generate, not the streamed programs
+            _progress("compiling the speculative program for the timed passes")
+            eng.compile(ids, **common)
         _progress("compiling the autoregressive program")
         ar_eng.compile(ids, greedy=greedy, **common)
         # alternate the two (same prompts, same seeds) so that a slow period hits both

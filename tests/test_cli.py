@@ -194,3 +194,29 @@ def test_generation_controls_from_the_command_line(hf_folder, capsys):
     assert report["texts"][0] and set(report["texts"][0]) <= chars
     assert report["controls"] == {"allowed_tokens": allow, "logit_bias": {"28": 3.0}}
     assert report["speculative"]["draft"] == str(hf_folder)
+
+
+@pytest.mark.real_model
+def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, monkeypatch):
+    """A streamed --compare run: no program is compiled once the timed passes start (a pass
+    that compiled would report a bogus speedup)."""
+    from specjax import engine
+
+    events = []
+    monkeypatch.setattr(cli, "_progress", lambda msg: events.append(("progress", msg)))
+    real = engine._Sharded._executable
+
+    def executable(self, args, static, program="_run"):
+        n = len(self._compiled)
+        exe = real(self, args, static, program)
+        if len(self._compiled) > n:
+            events.append(("compiled", program))
+        return exe
+
+    monkeypatch.setattr(engine._Sharded, "_executable", executable)
+    assert cli.main(["generate", "hi", "--model", str(hf_folder), "--max-new-tokens", "8",
+                     "--compare", "--repeats", "2"]) == 0
+    assert "speedup over autoregressive" in capsys.readouterr().out
+    first_pass = events.index(("progress", "timing pass 1/2"))
+    assert ("compiled", "_advance") in events[:first_pass]  # the streamed generation
+    assert not [e for e in events[first_pass:] if e[0] == "compiled"], events
