@@ -730,15 +730,7 @@ class SpeculativeEngine(_Sharded):
         """One round: propose, score, process, verify, commit, statistics."""
         state = c.state
         active = ~state.done
-        round_keys = jax.vmap(lambda kk: keys.round_key(kk, c.round))(row_keys)
-
-        # propose
-        ctx = ProposeContext(seq=state.seq, seq_len=state.seq_len, params=params,
-                             counts=state.counts, round_keys=round_keys,
-                             use_penalties=use_penalties, top_values=self._top_values,
-                             gen_len=state.gen_len, controls=controls)
-        with self._role("draft"):
-            proposal = self.proposer.propose(draft_params, c.proposer_state, ctx)
+        round_keys, proposal = self._propose(c, draft_params, row_keys, params, controls, use_penalties)
         x = proposal.tokens
         q_lp = self._c(proposal.logprobs, _LOGITS)  # laid out like the target's (vocab-sharded)
         nd = jnp.where(active, proposal.num_draft, 0)
@@ -772,6 +764,17 @@ class SpeculativeEngine(_Sharded):
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
                          round=c.round + 1)
 
+    def _propose(self, c: SpecCarry, draft_params, row_keys, params, controls, use_penalties):
+        """The round's keys (``fold_in(row_key, round)``) and the proposer's proposal."""
+        state = c.state
+        round_keys = jax.vmap(lambda kk: keys.round_key(kk, c.round))(row_keys)
+        ctx = ProposeContext(seq=state.seq, seq_len=state.seq_len, params=params,
+                             counts=state.counts, round_keys=round_keys,
+                             use_penalties=use_penalties, top_values=self._top_values,
+                             gen_len=state.gen_len, controls=controls)
+        with self._role("draft"):
+            return round_keys, self.proposer.propose(draft_params, c.proposer_state, ctx)
+
     def _tree_round(self, c: SpecCarry, target_params, draft_params, row_keys, params, controls,
                     max_new, stop_ids, use_penalties) -> SpecCarry:
         """One round with a draft tree: propose a tree, score all its nodes in ONE target
@@ -780,14 +783,8 @@ class SpeculativeEngine(_Sharded):
         hidden states along the path."""
         state = c.state
         active = ~state.done
-        round_keys = jax.vmap(lambda kk: keys.round_key(kk, c.round))(row_keys)
+        round_keys, proposal = self._propose(c, draft_params, row_keys, params, controls, use_penalties)
         depth_max = self.proposer.tree_depth
-        ctx = ProposeContext(seq=state.seq, seq_len=state.seq_len, params=params,
-                             counts=state.counts, round_keys=round_keys,
-                             use_penalties=use_penalties, top_values=self._top_values,
-                             gen_len=state.gen_len, controls=controls)
-        with self._role("draft"):
-            proposal = self.proposer.propose(draft_params, c.proposer_state, ctx)
         tree = proposal.tree
         tgt = self.target
         b, n = tree.tokens.shape
