@@ -8,7 +8,7 @@ input text, optionally skipped when decoding).
 
 The chat template is ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``); when the GGUF
 template injects a default system message (SmolLM2 does), so do we. If jinja2 is
-available, :meth:`Tokenizer.render_gguf_template` renders the file's own template, which
+available, :meth:`Tokenizer.render_template` renders the file's own template, which
 the tests compare against.
 """
 from __future__ import annotations
@@ -227,7 +227,6 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), raise_exception=raise_exception)
 
-    render_gguf_template = render_template  # the name the template parity test uses
 
 
 def _default_system_prompt(template: Optional[str]) -> Optional[str]:

@@ -72,7 +72,7 @@ def test_chat_template_matches_gguf_jinja(tok):
     ]
     for msgs in convs:
         for gen in (True, False):
-            assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == tok.render_gguf_template(msgs, gen)
+            assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == tok.render_template(msgs, gen)
 
 
 @pytest.mark.real_model
