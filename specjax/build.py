@@ -44,7 +44,8 @@ from specjax.sharding import (
     sharding_from_dict,
 )
 
-DEFAULT_K = 3  # draft tokens per round unless told otherwise (CLI, generate, RunSpec)
+DEFAULT_K = 3  # draft tokens per round unless told otherwise (generate, RunSpec)
+AUTO_MAX_K = 3  # k="auto" (the CLI's default): each round drafts 0..AUTO_MAX_K tokens
 DEFAULT_MODEL_NAMES = ("default", "smollm2", "smollm2-135m")
 # the random model of ``--model tiny`` (CI smoke tests)
 TINY = dict(vocab_size=64, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
@@ -162,14 +163,18 @@ def _check_method(method: str) -> None:
 
 
 def _check_k(k) -> None:
+    if k == "auto":
+        return
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"K must be an integer >= 1, got {k!r}")
+        raise ValueError(f"K must be an integer >= 1 or 'auto', got {k!r}")
 
 
 def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
                 sharding: Optional[MeshPlan] = None) -> SpeculativeEngine:
     """The speculative engine for ``target`` and ``draft`` (a model, ``"lookup"``, or a
-    proposer), drafting ``k`` tokens (default: the proposer's K, else :data:`DEFAULT_K`).
+    proposer), drafting ``k`` tokens (default: the proposer's K, else :data:`DEFAULT_K`);
+    ``k="auto"``: adaptive, each round drafts 0..:data:`AUTO_MAX_K` tokens by the measured
+    costs and the running acceptance (``SpeculativeEngine(adaptive=True)``).
 
     Memoized (the 8 most recent): the same models and settings give the same engine, so
     its compiled programs are reused (:func:`clear_engines` drops them)."""
@@ -181,9 +186,10 @@ def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
 
 
 @functools.lru_cache(maxsize=8)
-def _engine(target, draft, k: int, method: str, sharding) -> SpeculativeEngine:
-    return SpeculativeEngine(target, make_proposer(draft, k, target.vocab_size), method,
-                             sharding=sharding)
+def _engine(target, draft, k, method: str, sharding) -> SpeculativeEngine:
+    auto = k == "auto"
+    return SpeculativeEngine(target, make_proposer(draft, AUTO_MAX_K if auto else k, target.vocab_size),
+                             method, sharding=sharding, adaptive=auto)
 
 
 def make_autoregressive_engine(target, sharding: Optional[MeshPlan] = None) -> AutoregressiveEngine:
@@ -225,7 +231,7 @@ class RunSpec:
 
     target: str = "default"  # see load_target
     draft: str = "default"  # see resolve_draft; "none": autoregressive only
-    k: int = DEFAULT_K
+    k: Union[int, str] = DEFAULT_K  # or "auto"
     method: str = "token"
     # (a factory: building a SamplingConfig validates it with jax arrays, and importing this
     # module must not start a jax backend before jax.distributed.initialize)

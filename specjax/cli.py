@@ -32,8 +32,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("prompt", nargs="?", help="the prompt (user message for the chat template)")
-    g.add_argument("--prompts-file", help="a file with one prompt per line (a batch)")
-    g.add_argument("--k", type=int, default=None, help="draft tokens per round (K >= 1; default 3)")
+    g.add_argument("--prompts-file", help="a file with one prompt per line (a dataset: --batch-size rows "
+                                          "at a time, each finished row's slot refilled with the next prompt)")
+    g.add_argument("--batch-size", type=int, default=16, help="rows decoded together with --prompts-file (default 16)")
+    g.add_argument("--k", default="auto",
+                   help="draft tokens per round: an integer >= 1, or 'auto' (the default): each round "
+                        "drafts 0-3 tokens, chosen from the measured round costs (measured once per "
+                        "machine and batch size, saved under ~/.cache/specjax) and the acceptance so far")
     g.add_argument("--method", choices=["token", "block", "greedy"], default="token",
                    help="token/block: exact sampling from the target law; greedy: the target's argmax chain")
     g.add_argument("--draft", default="default",
@@ -92,10 +97,16 @@ def _check_args(a) -> list:
         prompts = [a.prompt]
     from specjax import build
 
-    if a.k is None:
-        a.k = build.DEFAULT_K
-    if a.k < 1:
-        raise UsageError(f"--k must be >= 1, got {a.k}")
+    if a.k != "auto":
+        try:
+            a.k = int(a.k)
+        except ValueError:
+            raise UsageError(f"--k must be an integer >= 1 or 'auto', got {a.k!r}") from None
+        if a.k < 1:
+            raise UsageError(f"--k must be >= 1, got {a.k}")
+    a.k_max = build.AUTO_MAX_K if a.k == "auto" else a.k
+    if a.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
     try:
         build.check_draft_spec(a.draft)
     except ValueError as e:
@@ -275,7 +286,7 @@ def _check_prompts(a, ids, cfg) -> None:
         if len(x) < min_len:
             raise UsageError(f"prompt {i} is {len(x)} token(s); the draft {a.draft!r} needs at least "
                              f"{min_len} (use --draft lookup, or a longer prompt)")
-        if len(x) + a.max_new_tokens + a.k > limit:
+        if len(x) + a.max_new_tokens + a.k_max > limit:
             raise UsageError(
                 f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and --k {a.k} "
                 f"it exceeds the model's context of {limit} tokens")
@@ -319,17 +330,29 @@ def _texts(out, tok) -> list:
     return [TextStream.text(tok, t, tok.stop_ids) for t in out.tokens]
 
 
-def _compile_and_run(name, eng, ids, stream_to=None, tok=None, **kw):
+def _run_once(eng, ids, batch_size, **kw):
+    """One prompt or a batch: ``generate``; a dataset (more prompts than ``batch_size``):
+    ``generate_dataset`` (continuous batching)."""
+    if len(ids) > batch_size:
+        return eng.generate_dataset(ids, batch_size=batch_size, **kw)
+    return eng.generate(ids, **kw)
+
+
+def _compile_and_run(name, eng, ids, stream_to=None, tok=None, batch_size=16, **kw):
     """Compile (timed apart), then ONE generation: ``(output, seconds, compile seconds)``.
     ``stream_to`` (a text file): write the single row's text there as chunks commit it."""
+    b = min(batch_size, len(ids))
+    if getattr(eng, "adaptive", False) and not eng.has_costs(b):
+        _progress(f"measuring round costs for k=auto at batch {b} (once on this machine)")
     _progress(f"compiling the {name} program")
     t0 = time.perf_counter()
-    eng.compile(ids, stream=stream_to is not None, **kw)
+    eng.compile(ids, stream=stream_to is not None,
+                dataset_batch=batch_size if len(ids) > batch_size else None, **kw)
     t_compile = time.perf_counter() - t0
     _progress("generating")
     t0 = time.perf_counter()
     if stream_to is None:
-        out = eng.generate(ids, **kw)
+        out = _run_once(eng, ids, batch_size, **kw)
     else:
         from specjax.models.tokenizer import TextStream
 
@@ -397,7 +420,7 @@ def run_generate(a) -> int:
         _progress(f"loading the draft ({a.draft})")
         draft, desc = build.resolve_draft(a.draft, target)
         eng = build.make_engine(target, draft, a.k, a.method)
-        spec, dt, t_compile = _compile_and_run("speculative", eng, ids, stream_to, tok, **common)
+        spec, dt, t_compile = _compile_and_run("speculative", eng, ids, stream_to, tok, a.batch_size, **common)
         n = sum(len(t) for t in spec.tokens)
         drafted = sum(s.drafted for s in spec.stats)
         accepted = sum(s.accepted for s in spec.stats)
@@ -409,11 +432,15 @@ def run_generate(a) -> int:
             "tokens_per_round": n / rounds if rounds else float("nan"),
             "mean_alpha": float(np.mean(alphas)) if alphas else float("nan"),
             "draft": desc["kind"] if desc["spec"] == "default" else desc["spec"],
+            "rounds_by_draft_tokens": np.asarray(spec.raw["k_rounds"]).tolist(),
         }
         report["texts"] = _texts(spec, tok)
+        if "inserts" in spec.raw:
+            report["dataset"] = {"batch_size": int(spec.raw["batch_size"]), "inserts": int(spec.raw["inserts"]),
+                                 "loop_iterations": int(spec.raw["iterations"])}
     if spec is None:
-        ar, dt, t_compile = _compile_and_run("autoregressive", ar_eng, ids, stream_to, tok, greedy=greedy,
-                                             **common)
+        ar, dt, t_compile = _compile_and_run("autoregressive", ar_eng, ids, stream_to, tok, a.batch_size,
+                                             greedy=greedy, **common)
         n = sum(len(t) for t in ar.tokens)
         report["autoregressive"] = {"tokens_per_s": n / dt, "seconds": dt, "compile_seconds": t_compile,
                                     "new_tokens": n}
@@ -423,16 +450,17 @@ def run_generate(a) -> int:
             _progress("compiling the speculative program for the timed passes")
             eng.compile(ids, **common)
         _progress("compiling the autoregressive program")
-        ar_eng.compile(ids, greedy=greedy, **common)
+        ar_eng.compile(ids, greedy=greedy, dataset_batch=a.batch_size if len(ids) > a.batch_size else None,
+                       **common)
         # alternate the two (same prompts, same seeds) so that a slow period hits both
         ratios, t_spec, t_ar = [], [], []
         for r in range(a.repeats):
             _progress(f"timing pass {r + 1}/{a.repeats}")
             t0 = time.perf_counter()
-            spec = eng.generate(ids, **common)
+            spec = _run_once(eng, ids, a.batch_size, **common)
             t_spec.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ar = ar_eng.generate(ids, greedy=greedy, **common)
+            ar = _run_once(ar_eng, ids, a.batch_size, greedy=greedy, **common)
             t_ar.append(time.perf_counter() - t0)
             ratios.append((sum(map(len, spec.tokens)) / t_spec[-1]) / (sum(map(len, ar.tokens)) / t_ar[-1]))
         n_ar = sum(len(t) for t in ar.tokens)
@@ -474,7 +502,10 @@ def run_generate(a) -> int:
               f"{k}={v}" for k, v in report["controls"].items())))
     if "speculative" in report:
         s = report["speculative"]
-        print(f"[specjax] {a.method} verification, K={a.k}, draft={s['draft']}: "
+        kr = s["rounds_by_draft_tokens"]
+        ks = (f"K=auto (rounds by draft tokens: {', '.join(f'{j}: {r}' for j, r in enumerate(kr) if r)})"
+              if a.k == "auto" else f"K={a.k}")
+        print(f"[specjax] {a.method} verification, {ks}, draft={s['draft']}: "
               f"{s['tokens_per_s']:.1f} tokens/s (compiled in {s['compile_seconds']:.1f} s), "
               f"{s['tokens_per_round']:.2f} tokens/round")
         print(f"[specjax] acceptance {s['acceptance_rate']:.3f}: the share of drafted tokens the target kept")

@@ -31,7 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
 from typing import Any, Optional
 
 import flax.struct
@@ -351,11 +357,12 @@ class RoundStats:
                    alpha_sum=jnp.zeros((b,), jnp.float32), alpha_n=i)
 
     def update(self, active, num_draft, num_accepted, q_lp, p_lp) -> "RoundStats":
-        k = q_lp.shape[1]
+        """After a round that drafted ``j = q_lp.shape[1]`` tokens (j <= K)."""
+        k, j = self.reached_pos.shape[1], q_lp.shape[1]
         pos = jnp.arange(k)[None, :]
         reached = (pos <= num_accepted[:, None]) & (pos < num_draft[:, None]) & active[:, None]
         acc = (pos < num_accepted[:, None]) & active[:, None]
-        alpha = verify.overlap_alpha(q_lp, p_lp[:, :k])
+        alpha = jnp.pad(verify.overlap_alpha(q_lp, p_lp[:, :j]), ((0, 0), (0, k - j)))
         return RoundStats(
             rounds=self.rounds + active.astype(jnp.int32),
             drafted=self.drafted + num_draft,
@@ -384,6 +391,65 @@ class RoundStats:
 
 
 @flax.struct.dataclass
+class AutoState:
+    """What the adaptive speculation length (``k="auto"``) learns, for the whole batch:
+    decayed counts of draft positions reached and accepted, rounds since the last round
+    that drafted, and how many rounds drafted each j = 0..K tokens."""
+
+    accepted: jax.Array  # float32[K]: decayed count of accepted drafts at position i
+    reached: jax.Array  # float32[K]: decayed count of verified drafts at position i
+    since: jax.Array  # int32 scalar: plain rounds since the last round that drafted
+    k_rounds: jax.Array  # int32[K+1]: rounds that drafted j tokens
+
+    @classmethod
+    def zeros(cls, k: int) -> "AutoState":
+        return cls(accepted=jnp.zeros((k,), jnp.float32), reached=jnp.zeros((k,), jnp.float32),
+                   since=jnp.int32(0), k_rounds=jnp.zeros((k + 1,), jnp.int32))
+
+    def drafted(self, j: int, active, num_draft, num_accepted) -> "AutoState":
+        """After a round that drafted j >= 1 tokens."""
+        k = self.accepted.shape[0]
+        pos = jnp.arange(k)[None, :]
+        reached = (pos <= num_accepted[:, None]) & (pos < num_draft[:, None]) & active[:, None]
+        acc = (pos < num_accepted[:, None]) & active[:, None]
+        g = AUTO_DECAY
+        return AutoState(accepted=g * self.accepted + jnp.sum(acc, axis=0, dtype=jnp.float32),
+                         reached=g * self.reached + jnp.sum(reached, axis=0, dtype=jnp.float32),
+                         since=jnp.int32(0), k_rounds=self.k_rounds.at[j].add(1))
+
+    def plain(self) -> "AutoState":
+        """After a round that drafted nothing."""
+        return self.replace(since=self.since + 1, k_rounds=self.k_rounds.at[0].add(1))
+
+
+AUTO_PRIOR = 0.5  # acceptance assumed at a draft position before any evidence ...
+AUTO_PRIOR_WEIGHT = 2.0  # ... worth this many observations (later positions: the one before)
+AUTO_DECAY = 0.95  # evidence from older rounds fades (the text changes)
+AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence)
+
+
+def choose_k(auto: AutoState, costs) -> jax.Array:
+    """The adaptive rule: the number of draft tokens j in 0..K that maximizes expected
+    tokens per unit cost, ``E_j / costs[j]``, where ``E_j = 1 + sum_{i<=j} prod_{m<=i} a_m``
+    with ``a_m`` the batch's (decayed, smoothed) acceptance rate at draft position m and
+    ``costs[j]`` the measured cost of a round that drafts j tokens (``inf``: never). After
+    :data:`AUTO_PROBE` plain rounds in a row the best j >= 1 is tried once. Reads only what
+    earlier rounds left in ``auto``: the choice never depends on the current round's draws,
+    so every round is an exact speculative (or plain) step whatever j is."""
+    k = auto.accepted.shape[0]
+    a, prev = [], jnp.float32(AUTO_PRIOR)
+    for i in range(k):
+        prev = (auto.accepted[i] + AUTO_PRIOR_WEIGHT * prev) / (auto.reached[i] + AUTO_PRIOR_WEIGHT)
+        a.append(prev)
+    e = jnp.concatenate([jnp.ones((1,), jnp.float32), 1.0 + jnp.cumsum(jnp.cumprod(jnp.stack(a)))])
+    score = e / jnp.asarray(costs, jnp.float32)
+    best = jnp.argmax(score).astype(jnp.int32)
+    best_spec = (1 + jnp.argmax(score[1:])).astype(jnp.int32)
+    probe = (best == 0) & (auto.since >= AUTO_PROBE) & (jnp.max(score[1:]) > 0)
+    return jnp.where(probe, best_spec, best)
+
+
+@flax.struct.dataclass
 class SpecCarry:
     """The speculative while loop's carry."""
 
@@ -391,7 +457,8 @@ class SpecCarry:
     stats: RoundStats
     target_cache: Any  # the target's KVCache: KV for s[:c-1]
     proposer_state: Any
-    round: jax.Array  # int32 scalar
+    round: jax.Array  # int32 scalar: loop iterations so far
+    auto: AutoState  # adaptive K's evidence (unused with a fixed K)
 
 
 @flax.struct.dataclass
@@ -457,6 +524,10 @@ class _Sharded:
         """Outputs replicated: every host can read them (multi-host ``device_get``)."""
         return out if self.sharding is None else self.sharding.constrain_replicated(out)
 
+    def _put(self, x):
+        """A small array every device reads (replicated under a mesh)."""
+        return jnp.asarray(x) if self.sharding is None else self.sharding.put_replicated(x)
+
     def _role(self, role):
         return contextlib.nullcontext() if self.sharding is None else self.sharding.role(role)
 
@@ -489,7 +560,8 @@ class _Sharded:
         start = self._executable(args, static, "_start")
         carry = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
                              start.out_info, start.output_shardings)
-        advance = self._executable((carry, *self._advance_inputs(args), np.int32(0)), {}, "_advance")
+        advance = self._executable((carry, *self._advance_inputs(args), np.int32(0), np.bool_(False)),
+                                   {}, "_advance")
         finish = self._executable((carry,), dict(out_cap=static["out_cap"]), "_finish")
         return start, advance, finish
 
@@ -508,7 +580,7 @@ class _Sharded:
             carry = start(*args)
             seen = [0] * batch.size
             for until in itertools.count(chunk, chunk):
-                carry = advance(carry, *rest, np.int32(until))
+                carry = advance(carry, *rest, np.int32(until), np.bool_(False))
                 st = jax.device_get(dict(out=carry.state.out, gen_len=carry.state.gen_len,
                                          done=carry.state.done))
                 new = [st["out"][i, seen[i]: st["gen_len"][i]].tolist() for i in range(batch.size)]
@@ -518,6 +590,88 @@ class _Sharded:
                     break
             res = finish(carry)
         return _to_output(res, with_stats=with_stats, raise_on_error=raise_on_error, rows=batch.size)
+
+    def _dataset_executables(self, full: Batch, b: int, static_opts: dict):
+        """The arguments of the first ``b`` rows and the compiled ``_start``, ``_advance``,
+        ``_finish`` and ``_insert`` programs of a dataset run (built once per shapes)."""
+        if self.sharding is not None:
+            raise ValueError("generate_dataset runs without a mesh (sharding) for now")
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {b!r}")
+        args, static = self._call_args(_batch_rows(full, range(b)), **static_opts)
+        start, advance, finish = self._stream_executables(args, static)
+        one, _ = self._call_args(_batch_rows(full, [0]), **static_opts)
+        carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
+        sig = ("_insert", jax.tree.map(lambda x: (x.shape, x.dtype), carry),
+               tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in jax.tree.leaves(one)),
+               tuple(sorted(static.items())))
+        insert = self._compiled.get(sig)
+        if insert is None:
+            insert = self._compiled[sig] = jax.jit(
+                self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len")
+            ).lower(carry, one, np.int32(0), **static).compile()
+        return args, (start, advance, finish, insert)
+
+    def _insert_program(self, carry, args_one, slot, *, out_cap, cache_len):
+        """Prefill one prompt (``args_one``: :meth:`_call_args` of a one-row batch) and put
+        it in batch row ``slot`` of the loop state: its state, statistics and caches
+        start afresh; the loop index and batch-level evidence stay."""
+        one = self._start_program(*args_one, out_cap=out_cap, cache_len=cache_len)
+        b = carry.state.seq_len.shape[0]
+        rows = {f.name: jax.tree.map(lambda big, small: _put_row(big, small, slot, b),
+                                     getattr(carry, f.name), getattr(one, f.name))
+                for f in dataclasses.fields(carry) if f.name not in ("round", "auto")}
+        return carry.replace(**rows)
+
+    def _dataset(self, full: Batch, batch_size: int, static_opts: dict, with_stats: bool,
+                 raise_on_error: bool, on_row=None) -> GenerateOutput:
+        """Continuous batching: ``batch_size`` slots; the loop pauses when a row finishes,
+        its output is read, the next prompt is prefilled into its slot (one compiled
+        ``_insert``) and the loop goes on. Every row keeps its dataset key and its own
+        round / step count, so its tokens are those it gets alone."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        n = full.size
+        b = min(batch_size, n)
+        slots = list(range(b))  # dataset row in each slot (None: idle, nothing left)
+        nxt = b
+        args, (start, advance, finish, insert) = self._dataset_executables(full, b, static_opts)
+        one_args = lambda i: self._call_args(_batch_rows(full, [i]), **static_opts)[0]  # noqa: E731
+        results: list = [None] * n
+        inserts = 0
+        with self._context():
+            carry = start(*args)
+            rest = self._advance_inputs(args)
+            while True:
+                carry = advance(carry, *rest, np.int32(2 ** 30), np.bool_(True))
+                done = np.asarray(jax.device_get(carry.state.done))
+                finished = [s for s in range(b) if slots[s] is not None and done[s]]
+                if finished:
+                    host = _host(finish(carry))
+                    for s in finished:
+                        results[slots[s]] = {k: v[s] for k, v in host.items() if k not in BATCH_LEVEL}
+                        if on_row is not None:
+                            on_row(slots[s], results[slots[s]])
+                        if nxt < n:
+                            carry = insert(carry, one_args(nxt), np.int32(s))
+                            slots[s] = nxt
+                            nxt += 1
+                            inserts += 1
+                        else:
+                            slots[s] = None
+                    if any(x is not None for x in slots):
+                        live = [x if x is not None else 0 for x in slots]
+                        # idle slots keep a finished row (done): its inputs are never used
+                        args_now, _ = self._call_args(_batch_rows(full, live), **static_opts)
+                        rest = self._advance_inputs(args_now)
+                if all(x is None for x in slots):
+                    break
+            host = _host(finish(carry))
+        rows = {k: np.stack([r[k] for r in results]) for k in results[0]}
+        rows.update({k: host[k] for k in BATCH_LEVEL if k in host})
+        out = _to_output(rows, with_stats=with_stats, raise_on_error=raise_on_error, rows=n)
+        out.raw.update(batch_size=b, inserts=inserts)
+        return out
 
     def _execute(self, batch: Batch, **opts) -> dict:
         args, static = self._call_args(batch, **opts)
@@ -551,10 +705,96 @@ class _Sharded:
                 self.sharding.put_replicated(np.asarray(batch.use_penalties)))
 
 
+def cost_file() -> Path:
+    """Where adaptive K's measured cost tables are kept (one JSON file, keyed by
+    :meth:`SpeculativeEngine.cost_key`): ``$SPECJAX_CACHE_DIR/costs.json``, by default
+    under ``~/.cache/specjax``."""
+    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+    return Path(root) / "costs.json"
+
+
+def _load_costs() -> dict:
+    try:
+        return json.loads(cost_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_costs(key: str, costs: list) -> None:
+    path = cost_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = _load_costs()
+        table[key] = costs
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: measured again next time, said once here
+        print(f"specjax: could not save the cost table to {path}: {e}", file=sys.stderr)
+
+
+def _more(carry, until, pause):
+    """The while loop's condition: some row is running, the loop index is below ``until``
+    (if given) and, with ``pause`` (a bool array), no row that was running when the loop
+    started has finished since (``generate_dataset`` then refills its slot)."""
+    running0 = ~carry.state.done
+
+    def more(c):
+        go = ~jnp.all(c.state.done)
+        if until is not None:
+            go = go & (c.round < until)
+        if pause is not None:
+            go = go & ~(pause & jnp.any(c.state.done & running0))
+        return go
+
+    return more
+
+
+def _put_row(big, one, slot, batch: int):
+    """``big`` with its batch row ``slot`` replaced by ``one`` (the same leaf of a batch of
+    one row): the batch axis is the one axis where the shapes differ (a batch of one:
+    ``one`` itself); other leaves of the same shape keep ``big``'s value."""
+    if big.shape == one.shape:
+        return one if batch == 1 else big
+    diff = [a for a, (x, y) in enumerate(zip(big.shape, one.shape)) if x != y]
+    if big.ndim != one.ndim or len(diff) != 1 or one.shape[diff[0]] != 1:
+        raise ValueError(f"cannot insert a row of shape {one.shape} into {big.shape}")
+    start = [jnp.int32(0)] * big.ndim
+    start[diff[0]] = jnp.asarray(slot, jnp.int32)
+    return jax.lax.dynamic_update_slice(big, one.astype(big.dtype), start)
+
+
+def _batch_rows(batch: Batch, idx) -> Batch:
+    """The rows ``idx`` of a prepared batch, with its buffer sizes (one program for all)."""
+    idx = np.asarray(idx)
+    take = lambda a: jnp.asarray(a)[idx] if isinstance(a, jax.Array) else np.asarray(a)[idx]  # noqa: E731
+    rowwise = jax.tree.map(take, batch.controls.replace(stop_mask=None))
+    return dataclasses.replace(
+        batch, prompts=batch.prompts[idx], prompt_lens=batch.prompt_lens[idx],
+        row_keys=batch.row_keys[jnp.asarray(idx)], params=jax.tree.map(take, batch.params),
+        controls=rowwise.replace(stop_mask=batch.controls.stop_mask), max_new=batch.max_new[idx])
+
+
+def _with_k(proposer, j: int):
+    """A copy of ``proposer`` that drafts ``j`` tokens (adaptive K compiles one per j)."""
+    if dataclasses.is_dataclass(proposer) and any(f.name == "k" for f in dataclasses.fields(proposer)):
+        return dataclasses.replace(proposer, k=j)
+    raise TypeError(f"adaptive K needs a proposer whose K can be changed (a dataclass with a "
+                    f"field k); {type(proposer).__name__} is not one")
+
+
+BATCH_LEVEL = ("k_rounds", "iterations")  # results of the whole loop, not per row
+
+
+def _host(res: dict) -> dict:
+    """A program's results on the host (the proposer's state, a cache, stays on device)."""
+    return jax.device_get({k: v for k, v in res.items() if k != "proposer_state"})
+
+
 def _to_output(res, *, with_stats, raise_on_error, rows) -> GenerateOutput:
     """Device results -> per-row Python lists for the first ``rows`` rows (the rest pad)."""
     pstate = res.pop("proposer_state", None)  # stays on device (it may hold a KV cache)
-    res = {k: (v[:rows] if np.ndim(v) else v) for k, v in jax.device_get(res).items()}
+    res = {k: (v[:rows] if np.ndim(v) and k not in BATCH_LEVEL else v) for k, v in jax.device_get(res).items()}
     res["proposer_state"] = pstate
     err = np.asarray(res["error"])
     if raise_on_error and err.any():
@@ -609,7 +849,7 @@ class SpeculativeEngine(_Sharded):
     """
 
     def __init__(self, target, proposer: Proposer, method: str = "token", *, sharding=None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = False, costs=None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(proposer, Proposer):
@@ -633,6 +873,16 @@ class SpeculativeEngine(_Sharded):
         self.method = method
         self.sharding = sharding
         self.prefill_chunk = _check_chunk(prefill_chunk)
+        self.adaptive = bool(adaptive)
+        if self.adaptive:
+            if self.tree:
+                raise ValueError("adaptive K (k='auto') takes a chain proposer, not a draft tree")
+            self._proposers = [None] + [_with_k(proposer, j) for j in range(1, k)] + [proposer]
+        # adaptive K: batch size -> float64[K+1], the cost of a round that drafts j tokens
+        self.costs: dict = {}
+        if costs is not None:
+            for b, c in dict(costs).items():
+                self.set_costs(b, c)
         self.trace_count = 0
         self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len"))
         self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len"))
@@ -658,45 +908,64 @@ class SpeculativeEngine(_Sharded):
     # _run: a whole generation (prefill + the loop until every row is done); _start and
     # _advance: the same split in chunks for streaming (the carry stays on the devices).
     def _program(self, target_params, draft_params, prompts, prompt_lens, row_keys, params,
-                 controls, max_new, stop_ids, use_penalties, *, out_cap, cache_len):
+                 controls, max_new, stop_ids, use_penalties, costs, *, out_cap, cache_len):
         carry = self._start_program(target_params, draft_params, prompts, prompt_lens, row_keys,
-                                    params, controls, max_new, stop_ids, use_penalties,
+                                    params, controls, max_new, stop_ids, use_penalties, costs,
                                     out_cap=out_cap, cache_len=cache_len)
         carry = self._loop(carry, target_params, draft_params, row_keys, params, controls,
-                           max_new, stop_ids, use_penalties)
+                           max_new, stop_ids, use_penalties, costs)
         return self._finish_program(carry, out_cap)
 
     def _start_program(self, target_params, draft_params, prompts, prompt_lens, row_keys, params,
-                       controls, max_new, stop_ids, use_penalties, *, out_cap, cache_len) -> SpecCarry:
+                       controls, max_new, stop_ids, use_penalties, costs, *, out_cap,
+                       cache_len) -> SpecCarry:
         self.trace_count += 1
         return self._prefill(target_params, draft_params, prompts, prompt_lens, max_new,
                              out_cap=out_cap, cache_len=cache_len)
 
     def _loop(self, carry: SpecCarry, target_params, draft_params, row_keys, params, controls,
-              max_new, stop_ids, use_penalties, until=None) -> SpecCarry:
-        """Rounds until every row is done (or the round index reaches ``until``)."""
+              max_new, stop_ids, use_penalties, costs, until=None, pause=None) -> SpecCarry:
+        """Rounds until every row is done (or the round index reaches ``until``, or, with
+        ``pause``, a row that was running at the start finishes)."""
         if self.method == "greedy":
             params = params.replace(temperature=jnp.zeros_like(params.temperature))
-
-        round_fn = self._tree_round if self.tree else self._round
+        inputs = (target_params, draft_params, row_keys, params, controls, max_new, stop_ids,
+                  use_penalties)
 
         def body(c: SpecCarry) -> SpecCarry:
-            return round_fn(c, target_params, draft_params, row_keys, params, controls,
-                            max_new, stop_ids, use_penalties)
+            if self.tree:
+                return self._tree_round(c, *inputs)
+            if not self.adaptive:
+                return self._round(c, *inputs)
+            # adaptive K: draft tokens per row chosen from earlier rounds; the round runs the
+            # branch of the largest (rows that chose fewer cap their num_draft)
+            rows_k = jnp.clip(self.choose_k(c, costs, inputs), 0, self.k)
+            top = jnp.max(jnp.where(c.state.done, 0, rows_k))
+            branches = [lambda c_, r: self._plain_round(c_, *inputs)] + [
+                (lambda c_, r, j=j: self._round(c_, *inputs, proposer=self._proposers[j], rows_k=r))
+                for j in range(1, self.k + 1)]
+            return jax.lax.switch(top, branches, c, rows_k)
 
-        def more(c: SpecCarry):
-            go = ~jnp.all(c.state.done)
-            return go if until is None else go & (c.round < until)
-
-        return jax.lax.while_loop(more, body, carry)
+        return jax.lax.while_loop(_more(carry, until, pause), body, carry)
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
-                         max_new, stop_ids, use_penalties, until) -> SpecCarry:
+                         max_new, stop_ids, use_penalties, costs, until, pause) -> SpecCarry:
         return self._loop(carry, target_params, draft_params, row_keys, params, controls,
-                          max_new, stop_ids, use_penalties, until)
+                          max_new, stop_ids, use_penalties, costs, until, pause)
+
+    def choose_k(self, c: SpecCarry, costs, inputs) -> jax.Array:
+        """Adaptive K: the draft tokens of the next round per row (int32[B] in 0..K; the
+        rule gives every row the same), from what earlier rounds left in the carry
+        (:func:`choose_k`). ``inputs`` (the loop's arguments) are unused: the choice must
+        not look at this round. A row whose j is below the round's largest drafts j
+        tokens all the same: its num_draft is capped, and the verifiers' keys are by
+        position, so its tokens do not depend on the other rows' j."""
+        del inputs
+        return jnp.broadcast_to(choose_k(c.auto, costs), c.state.seq_len.shape)
 
     def _finish_program(self, carry: SpecCarry, out_cap: int) -> dict:
         stats = {f.name: getattr(carry.stats, f.name) for f in dataclasses.fields(carry.stats)}
+        stats.update(k_rounds=carry.auto.k_rounds, iterations=carry.round)
         out = self._c_out(dict(_outputs(carry.state, out_cap), **stats))
         return dict(out, proposer_state=carry.proposer_state)
 
@@ -723,24 +992,29 @@ class SpeculativeEngine(_Sharded):
                                     tgt.vocab_size, max_new)
         return SpecCarry(state=self._c_state(state), stats=RoundStats.zeros(b, self.stat_positions),
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
-                         round=jnp.int32(0))
+                         round=jnp.int32(0), auto=AutoState.zeros(self.stat_positions))
 
     def _round(self, c: SpecCarry, target_params, draft_params, row_keys, params, controls,
-               max_new, stop_ids, use_penalties) -> SpecCarry:
-        """One round: propose, score, process, verify, commit, statistics."""
+               max_new, stop_ids, use_penalties, proposer=None, rows_k=None) -> SpecCarry:
+        """One round: propose, score, process, verify, commit, statistics. ``proposer``: a
+        copy of the engine's drafting fewer tokens (adaptive K), else the engine's;
+        ``rows_k`` (int32[B], adaptive K): each row's cap on its draft tokens."""
+        proposer = self.proposer if proposer is None else proposer
+        k = proposer.k
         state = c.state
         active = ~state.done
-        round_keys, proposal = self._propose(c, draft_params, row_keys, params, controls, use_penalties)
+        round_keys, proposal = self._propose(c, draft_params, row_keys, params, controls,
+                                             use_penalties, proposer)
         x = proposal.tokens
         q_lp = self._c(proposal.logprobs, _LOGITS)  # laid out like the target's (vocab-sharded)
-        nd = jnp.where(active, proposal.num_draft, 0)
+        nd = jnp.where(active, proposal.num_draft if rows_k is None else jnp.minimum(proposal.num_draft, rows_k), 0)
 
         # score + process: the same pipeline, same order, for the target at each of the K+1
         # positions; the history at position i includes the draft tokens x_1..x_i
         # (computed only when some row has a penalty on), and the controls at generated-token
         # index gen_len + i
         t_logits, t_hidden, tcache = self._score(target_params, state, x, nd, c.target_cache)
-        gen_index = self.generated_before(state.gen_len, self.k)
+        gen_index = self.generated_before(state.gen_len, k)
         p_lp = self._c(process_rows(t_logits, params,
                                     lambda: self.position_counts(state.counts, x, nd),
                                     use_penalties, allowed=controls.allowed_at(gen_index),
@@ -762,18 +1036,57 @@ class SpeculativeEngine(_Sharded):
         return SpecCarry(state=self._c_state(state),
                          stats=c.stats.update(active, nd, n_acc, q_lp, p_lp),
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
-                         round=c.round + 1)
+                         round=c.round + 1, auto=c.auto.drafted(k, active, nd, n_acc))
 
-    def _propose(self, c: SpecCarry, draft_params, row_keys, params, controls, use_penalties):
-        """The round's keys (``fold_in(row_key, round)``) and the proposer's proposal."""
+    def _plain_round(self, c: SpecCarry, target_params, draft_params, row_keys, params, controls,
+                     max_new, stop_ids, use_penalties) -> SpecCarry:
+        """A round that drafts nothing (adaptive K chose j = 0): one target step, one token
+        per row drawn from p with the round's BONUS key at position 0 (what a round with no
+        accepted draft draws it with); the proposer catches up (``commit_plain``)."""
         state = c.state
-        round_keys = jax.vmap(lambda kk: keys.round_key(kk, c.round))(row_keys)
+        active = ~state.done
+        b = state.seq_len.shape[0]
+        round_keys = self.round_keys(c, row_keys)
+        want_hidden = self.proposer.needs_target_hidden
+        o = self.target.apply(target_params, state.last_tokens()[:, None], c.target_cache,
+                              return_hidden=want_hidden)
+        p_lp = self._c(process_rows(self._c(o.logits, _LOGITS), params, lambda: state.counts[:, None, :],
+                                    use_penalties, allowed=controls.allowed_at(self.generated_before(state.gen_len, 0)),
+                                    bias=controls.bias_at(3), top_values=self._top_values), _LOGITS)[:, 0]
+        x = sample_rows(jax.vmap(lambda kk: keys.position_key(keys.role_key(kk, keys.BONUS), 0))(round_keys), p_lp)
+        err = jnp.any(jnp.isnan(p_lp), axis=-1)
+        state, _ = state.commit(x[:, None], jnp.ones((b,), jnp.int32), stop_ids, max_new, err)
+        tcache = self._c_cache(o.cache.with_lengths(self.target_cache_lengths(state.seq_len)))
+        ctx = CommitContext(seq=state.seq, seq_len=state.seq_len,
+                            target_hidden=o.hidden if want_hidden else None,
+                            num_new=jnp.where(active & ~err, 1, 0))
+        with self._role("draft"):
+            commit = getattr(self.proposer, "commit_plain", self.proposer.commit)
+            pstate = commit(draft_params, c.proposer_state, ctx)
+        zeros = jnp.zeros((b,), jnp.int32)
+        return SpecCarry(state=self._c_state(state),
+                         stats=c.stats.replace(rounds=c.stats.rounds + active.astype(jnp.int32)),
+                         target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
+                         round=c.round + 1, auto=c.auto.plain())
+
+    @staticmethod
+    def round_keys(c: SpecCarry, row_keys):
+        """``fold_in(row_key, r)`` with r the row's own round count (the rounds it took part
+        in): the same as the loop index for a row that starts with the batch, and what a
+        row inserted later (``generate_dataset``) would have had alone."""
+        return jax.vmap(keys.round_key)(row_keys, c.stats.rounds)
+
+    def _propose(self, c: SpecCarry, draft_params, row_keys, params, controls, use_penalties,
+                 proposer=None):
+        """The round's keys (:meth:`round_keys`) and the proposer's proposal."""
+        state = c.state
+        round_keys = self.round_keys(c, row_keys)
         ctx = ProposeContext(seq=state.seq, seq_len=state.seq_len, params=params,
                              counts=state.counts, round_keys=round_keys,
                              use_penalties=use_penalties, top_values=self._top_values,
                              gen_len=state.gen_len, controls=controls)
         with self._role("draft"):
-            return round_keys, self.proposer.propose(draft_params, c.proposer_state, ctx)
+            return round_keys, (proposer or self.proposer).propose(draft_params, c.proposer_state, ctx)
 
     def _tree_round(self, c: SpecCarry, target_params, draft_params, row_keys, params, controls,
                     max_new, stop_ids, use_penalties) -> SpecCarry:
@@ -833,7 +1146,7 @@ class SpeculativeEngine(_Sharded):
                          stats=c.stats.update_tree(active, jnp.sum(tree.valid, axis=1).astype(jnp.int32),
                                                    n_acc, valid_depth),
                          target_cache=tcache, proposer_state=self._c_cache(pstate, "draft"),
-                         round=c.round + 1)
+                         round=c.round + 1, auto=c.auto)
 
     @staticmethod
     def tree_mask(tree) -> jax.Array:
@@ -922,15 +1235,100 @@ class SpeculativeEngine(_Sharded):
         """After a commit the target keeps KV for s[:c-1] (rollback = this length)."""
         return seq_len - 1
 
+    # -- adaptive K: the cost model ---------------------------------------------------
+    def set_costs(self, batch_size: int, costs) -> None:
+        """The cost of a round that drafts j = 0..K tokens at this batch size (any unit,
+        ``inf``: never choose j), as :meth:`calibrate` measures it."""
+        c = np.asarray(costs, np.float64).reshape(-1)
+        if c.shape != (self.k + 1,) or np.isnan(c).any() or (c <= 0).any() or not np.isfinite(c).any():
+            raise ValueError(f"costs must be K+1 = {self.k + 1} positive numbers (inf allowed), got {costs!r}")
+        self.costs[int(batch_size)] = c
+
+    def costs_for(self, batch_size: int, like: Optional[Batch] = None) -> np.ndarray:
+        """The cost table adaptive K uses at ``batch_size``: set, else read from the cost
+        file (:func:`cost_file`) for this machine, models and K, else measured now
+        (:meth:`calibrate`, with the program of ``like`` when given: no extra compile) and
+        saved there."""
+        b = int(batch_size)
+        if b not in self.costs:
+            saved = _load_costs().get(self.cost_key(b))
+            if saved is not None and len(saved) == self.k + 1:
+                self.set_costs(b, saved)
+            else:
+                self.calibrate(b, like=like)
+        return self.costs[b]
+
+    def cost_key(self, batch_size: int) -> str:
+        """What a cost table is measured for: device, target, proposer, K, method, batch."""
+        dev = jax.devices()[0]
+        prop = self.proposer
+        draft = getattr(getattr(prop, "model", None), "config", None)
+        what = repr((dev.platform, getattr(dev, "device_kind", ""), jax.device_count(), os.cpu_count(),
+                     repr(getattr(self.target, "config", type(self.target).__name__)),
+                     str(jax.tree.leaves(self.target.params)[0].dtype) if self.target.params is not None else "",
+                     type(prop).__name__, repr(draft), self.k, self.method, self.sharding is not None))
+        return f"{hashlib.sha256(what.encode()).hexdigest()[:24]}/b{int(batch_size)}"
+
+    def calibrate(self, batch_size: int, *, like: Optional[Batch] = None, prompt_len: int = 32,
+                  new_tokens=(8, 32), repeats: int = 2, save: bool = True) -> np.ndarray:
+        """Measure the cost (seconds) of a round that drafts j = 0..K tokens at
+        ``batch_size``: generations of ``new_tokens`` lengths (random prompts, T=1, no stop)
+        with j forced, the per-round cost being the time difference over the difference in
+        rounds (prefill cancels). ``like`` (a prepared batch of that size): run its program
+        (buffer sizes, controls), so that nothing more is compiled. Sets the table
+        (:meth:`set_costs`) and saves it to the cost file."""
+        if not self.adaptive:
+            raise ValueError("calibrate is for an adaptive-K engine (k='auto')")
+        b = int(batch_size)
+        rng = np.random.default_rng(0)
+        width = bucket(prompt_len) if like is None else like.prompts.shape[1]
+        plen = min(int(prompt_len), width)
+        prompts = rng.integers(0, self.target.vocab_size, (b, plen))
+        cost = np.zeros(self.k + 1)
+        for j in range(self.k + 1):
+            forced = np.full(self.k + 1, np.inf)
+            forced[j] = 1.0
+            points = []
+            for n in new_tokens:
+                batch = self.prepare(prompts, seed=0, max_new_tokens=int(n),
+                                     sampling_params=sampling.SamplingConfig(temperature=1.0))
+                if like is not None:  # the call's program: its sizes, controls and penalties flag
+                    if like.size != b:
+                        raise ValueError(f"like has {like.size} rows, calibrating batch {b}")
+                    n = min(int(n), like.out_cap)
+                    pad = np.zeros((b, width), np.int32)
+                    pad[:, :plen] = prompts
+                    batch = dataclasses.replace(
+                        like, prompts=pad, prompt_lens=np.full(b, plen, np.int32), row_keys=batch.row_keys,
+                        params=batch.params, max_new=np.full(b, n, np.int32),
+                        stop_ids=np.full_like(like.stop_ids, _NO_STOP))
+                args, static = self._call_args(batch, costs=forced)
+                exe = self._executable(args, static)
+                best = None
+                for _ in range(repeats + 1):  # the first run warms up
+                    t0 = time.perf_counter()
+                    iters = int(jax.device_get(exe(*args)["iterations"]))
+                    dt = time.perf_counter() - t0
+                    best = dt if best is None else min(best, dt)
+                points.append((iters, best))
+            (i0, t0_), (i1, t1_) = points
+            cost[j] = max((t1_ - t0_) / max(i1 - i0, 1), 1e-9)
+        self.set_costs(b, cost)
+        if save:
+            _save_costs(self.cost_key(b), cost.tolist())
+        return cost
+
     # -- host API ---------------------------------------------------------------------
     def prepare(self, prompts, **kwargs) -> Batch:
         """The host-side checks and padding of :meth:`generate` (ValueError on bad input)."""
         return prepare_batch(prompts, self.target, k=self.k,
                              min_prompt_len=self.proposer.min_prompt_len, **kwargs)
 
-    def _call_args(self, batch: Batch):
+    def _call_args(self, batch: Batch, costs=None):
+        if costs is None:
+            costs = self.costs_for(batch.size, like=batch) if self.adaptive else np.ones(self.k + 1)
         args = (self._placed(self.target.params, "target"), self._placed(self.proposer.params, "draft"),
-                *self._device_inputs(batch))
+                *self._device_inputs(batch), self._put(np.asarray(costs, np.float32)))
         return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len)
 
     def generate(self, prompts, *, raise_on_error=True, **kwargs) -> GenerateOutput:
@@ -942,6 +1340,25 @@ class SpeculativeEngine(_Sharded):
         res = self._execute(batch)
         return _to_output(res, with_stats=True, raise_on_error=raise_on_error, rows=batch.size)
 
+    def generate_dataset(self, prompts, *, batch_size: int = 16, raise_on_error=True, on_row=None,
+                         **kwargs) -> GenerateOutput:
+        """Generate for a whole dataset of prompts with ``batch_size`` slots kept busy
+        (continuous batching): when a row finishes (stop token or its max_new_tokens) the
+        next prompt is prefilled into its slot and the loop goes on, with no retrace. Row i
+        keeps the key of dataset index i (``seed`` + i, or ``keys[i]``) and its own round
+        count, so with a fixed K its output is what ``generate([prompt_i], row_indices=[i])``
+        gives (with ``k="auto"`` the law is exact and the draft lengths are the batch's).
+        ``kwargs``: as :meth:`generate`, per-row values given for the whole dataset.
+        ``on_row(i, row)``: called as row i finishes. The output lists rows in dataset
+        order; ``raw`` adds ``iterations`` (loop iterations of the whole run),
+        ``batch_size``, ``inserts`` and, for this engine, ``k_rounds``."""
+        full = self.prepare(prompts, **kwargs)
+        return self._dataset(full, batch_size, {}, True, raise_on_error, on_row)
+
+    def has_costs(self, batch_size: int) -> bool:
+        """Adaptive K: a cost table for this batch size is set or saved (no measuring)."""
+        return int(batch_size) in self.costs or self.cost_key(batch_size) in _load_costs()
+
     def stream(self, prompts, *, chunk: int = 4, raise_on_error=True, **kwargs) -> TokenStream:
         """As :meth:`generate`, streamed: the loop runs ``chunk`` rounds at a time with its
         state kept on the devices, and the returned :class:`TokenStream` yields the tokens
@@ -951,12 +1368,19 @@ class SpeculativeEngine(_Sharded):
         batch = self.prepare(prompts, **kwargs)
         return TokenStream(self._stream(batch, chunk, {}, True, raise_on_error))
 
-    def compile(self, prompts, *, stream: bool = False, **kwargs) -> None:
+    def compile(self, prompts, *, stream: bool = False, dataset_batch: Optional[int] = None,
+                **kwargs) -> None:
         """Compile the program :meth:`generate` runs for these arguments (the same shapes and
         static settings: buckets, not values) without running it, so that such a
         ``generate`` then spends its time decoding; ``stream=True``: the programs of
-        :meth:`stream` instead."""
-        args, static = self._call_args(self.prepare(prompts, **kwargs))
+        :meth:`stream` instead; ``dataset_batch=B``: those of
+        ``generate_dataset(prompts, batch_size=B)``. With ``k="auto"`` this also
+        measures the round costs for that batch size if none are known (:meth:`costs_for`)."""
+        batch = self.prepare(prompts, **kwargs)
+        if dataset_batch is not None:
+            self._dataset_executables(batch, min(dataset_batch, batch.size), {})
+            return
+        args, static = self._call_args(batch)
         self._stream_executables(args, static) if stream else self._executable(args, static)
 
     def lower(self, prompts, **kwargs):
@@ -975,7 +1399,7 @@ class SpeculativeEngine(_Sharded):
 class AutoregressiveEngine(_Sharded):
     """Plain sampling from the target, same pipeline and API: the baseline for speed and law.
 
-    Step t of a row draws its token with ``derive(row_key, t, TARGET, 0)``. ``sharding``:
+    Step t of a row (its t-th generated token, from 0) draws with ``derive(row_key, t, TARGET, 0)``. ``sharding``:
     as for :class:`SpeculativeEngine`.
     """
 
@@ -1011,8 +1435,8 @@ class AutoregressiveEngine(_Sharded):
         return ARCarry(state=state, target_cache=tcache, round=jnp.int32(0))
 
     def _loop(self, carry: "ARCarry", target_params, row_keys, params, controls, max_new, stop_ids,
-              use_penalties, until=None) -> "ARCarry":
-        """Steps until every row is done (or the step index reaches ``until``)."""
+              use_penalties, until=None, pause=None) -> "ARCarry":
+        """Steps until every row is done (or as :meth:`SpeculativeEngine._loop` says)."""
         tgt = self.target
 
         def body(c: ARCarry) -> ARCarry:
@@ -1025,26 +1449,24 @@ class AutoregressiveEngine(_Sharded):
                                       allowed=controls.allowed_at(state.gen_len),
                                       bias=controls.bias_at(2), top_values=self._top_values),
                          ("batch", "vocab"))
-            x = sample_rows(jax.vmap(lambda kk: keys.derive(kk, t, keys.TARGET, 0))(row_keys), lp)
+            # step index = the row's own generated count (the loop index for a row that
+            # starts with the batch; what a row inserted later would have had alone)
+            x = sample_rows(jax.vmap(lambda kk, g: keys.derive(kk, g, keys.TARGET, 0))(row_keys, state.gen_len), lp)
             err = jnp.any(jnp.isnan(lp), axis=-1)
             state, _ = state.commit(x[:, None], jnp.ones((b,), jnp.int32), stop_ids, max_new, err)
             return ARCarry(state=self._c_state(state),
                            target_cache=self._c_cache(o.cache.with_lengths(state.seq_len - 1)),
                            round=t + 1)
 
-        def more(c: ARCarry):
-            go = ~jnp.all(c.state.done)
-            return go if until is None else go & (c.round < until)
-
-        return jax.lax.while_loop(more, body, carry)
+        return jax.lax.while_loop(_more(carry, until, pause), body, carry)
 
     def _advance_program(self, carry, target_params, row_keys, params, controls, max_new, stop_ids,
-                         use_penalties, until) -> "ARCarry":
+                         use_penalties, until, pause) -> "ARCarry":
         return self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
-                          use_penalties, until)
+                          use_penalties, until, pause)
 
     def _finish_program(self, carry: "ARCarry", out_cap: int) -> dict:
-        return self._c_out(_outputs(carry.state, out_cap))
+        return self._c_out(dict(_outputs(carry.state, out_cap), iterations=carry.round))
 
     @staticmethod
     def _advance_inputs(args) -> tuple:
@@ -1067,13 +1489,25 @@ class AutoregressiveEngine(_Sharded):
         res = self._execute(batch, greedy=greedy)
         return _to_output(res, with_stats=False, raise_on_error=raise_on_error, rows=batch.size)
 
+    def generate_dataset(self, prompts, *, batch_size: int = 16, greedy=False, raise_on_error=True,
+                         on_row=None, **kwargs) -> GenerateOutput:
+        """As :meth:`SpeculativeEngine.generate_dataset` (row i's step t draws with its
+        dataset key, so its tokens are those it gets alone)."""
+        full = self.prepare(prompts, **kwargs)
+        return self._dataset(full, batch_size, dict(greedy=greedy), False, raise_on_error, on_row)
+
     def stream(self, prompts, *, chunk: int = 8, greedy=False, raise_on_error=True,
                **kwargs) -> "TokenStream":
         """As :meth:`SpeculativeEngine.stream` (``chunk``: decoding steps per chunk)."""
         batch = self.prepare(prompts, **kwargs)
         return TokenStream(self._stream(batch, chunk, dict(greedy=greedy), False, raise_on_error))
 
-    def compile(self, prompts, *, greedy=False, stream: bool = False, **kwargs) -> None:
+    def compile(self, prompts, *, greedy=False, stream: bool = False,
+                dataset_batch: Optional[int] = None, **kwargs) -> None:
         """As :meth:`SpeculativeEngine.compile`."""
-        args, static = self._call_args(self.prepare(prompts, **kwargs), greedy)
+        batch = self.prepare(prompts, **kwargs)
+        if dataset_batch is not None:
+            self._dataset_executables(batch, min(dataset_batch, batch.size), dict(greedy=greedy))
+            return
+        args, static = self._call_args(batch, greedy)
         self._stream_executables(args, static) if stream else self._executable(args, static)

@@ -1,8 +1,14 @@
 """Shared test setup. Tests that need several devices spawn a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (it must be set before jax is imported)."""
 import importlib.util
+import os
+import tempfile
 
 import pytest
+
+# k="auto" saves measured round costs (specjax.engine.cost_file): the suite keeps its own,
+# fresh each run, so that no result depends on what another run measured on this machine
+os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,8 @@ from specjax import cli
     (["generate", ""], "empty prompt"),
     (["generate", "   "], "empty prompt"),
     (["generate", "hi", "--k", "0"], "--k must be >= 1"),
+    (["generate", "hi", "--k", "fast"], "--k must be an integer >= 1 or 'auto'"),
+    (["generate", "hi", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--temperature", "nan"], "--temperature"),
     (["generate", "hi", "--top-p", "0"], "--top-p"),
@@ -172,6 +174,7 @@ def test_hf_folder_model_streams_the_same_text_as_printed_at_the_end(hf_folder, 
         texts.append(text)
         assert "temperature 5 (flag), top-p 0.95 (model), top-k 0 (default)" in summary
         assert "controls: min_new_tokens=24" in summary
+        assert "verification, K=auto (rounds by draft tokens: " in summary
     assert texts[0] == texts[1] and texts[0].strip()
     assert "\ufffd" not in texts[0][-2:]  # no broken character at the end
 
@@ -220,3 +223,18 @@ def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, 
     first_pass = events.index(("progress", "timing pass 1/2"))
     assert ("compiled", "_advance") in events[:first_pass]  # the streamed generation
     assert not [e for e in events[first_pass:] if e[0] == "compiled"], events
+
+
+@pytest.mark.real_model
+def test_prompts_file_is_a_dataset_run(hf_folder, tmp_path, capsys):
+    """--prompts-file with more prompts than --batch-size: continuous batching, every prompt
+    answered in file order; with K=auto the summary says how many tokens rounds drafted."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("one\ntwo two\nthree three three\n")
+    argv = ["generate", "--prompts-file", str(f), "--model", str(hf_folder), "--draft", str(hf_folder),
+            "--batch-size", "2", "--max-new-tokens", "6", "--seed", "3"]
+    assert cli.main(argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == ["one", "two two", "three three three"] and len(report["texts"]) == 3
+    assert report["dataset"] == {"batch_size": 2, "inserts": 1, "loop_iterations": report["dataset"]["loop_iterations"]}
+    assert report["k"] == "auto" and sum(report["speculative"]["rounds_by_draft_tokens"]) > 0

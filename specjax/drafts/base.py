@@ -10,6 +10,11 @@ functions, called inside the engine's jitted ``lax.while_loop``:
 * ``commit(params, state, CommitContext) -> state`` (after verification: the new committed
   tokens and lengths and, for feature-based drafts such as EAGLE-style heads, the target's
   final hidden states from this round's forward; rollback is resetting cache lengths)
+* optional ``commit_plain(params, state, CommitContext) -> state``: after a round in which
+  the engine drafted nothing (adaptive K, j = 0: one target step, no ``propose``); a
+  proposer whose state must advance with every committed token (a draft model's cache)
+  catches up here. Without it the engine calls ``commit``. Adaptive K also needs the
+  proposer to be a dataclass with a field ``k`` (it compiles one copy per j).
 
 A proposal carries ``tokens int32[B, K]``, the *processed* draft log-probs
 ``logprobs float32[B, K, V]`` that the tokens were actually drawn from, and

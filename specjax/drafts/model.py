@@ -79,6 +79,15 @@ class DraftModelProposer(ModelBackedProposer):
     def commit(self, params, state, ctx: CommitContext):
         return state.with_lengths(ctx.seq_len - 2)
 
+    def commit_plain(self, params, state, ctx: CommitContext):
+        """After a round that drafted nothing (adaptive K): the cache holds s[:c-2] of the old
+        length c and the round committed ``num_new`` (0 or 1) tokens, so feed s[c-2] (one
+        draft step) to get back to s[:c'-2]."""
+        pos = jnp.maximum(ctx.seq_len - ctx.num_new - 2, 0)
+        tok = jnp.take_along_axis(ctx.seq, pos[:, None], axis=1)
+        out = self.model.apply(params, tok, state.with_lengths(pos))
+        return out.cache.with_lengths(ctx.seq_len - 2)
+
 
 
 

@@ -1,0 +1,197 @@
+"""Adaptive speculation length and continuous batching, measured (issue 15).
+
+    python scripts/bench_schedule.py                       # both parts, SmolLM2 + shipped head
+    python scripts/bench_schedule.py --skip-dataset --batches 1,4
+
+Part 1, the grid: for each batch size, plain autoregressive decoding, speculative decoding
+with fixed K and with ``k="auto"`` (one engine each, compiled first; ``auto`` measures its
+round costs then, once per batch size), then ``--repeats`` interleaved timed passes per
+temperature over the rows of ``configs/bench/prompts.txt`` (stop tokens off, every row
+makes ``--max-new`` tokens, as in ``scripts/benchmark.py``). Speedup = autoregressive
+median time / the setting's median time.
+
+Part 2, a dataset run: the 64 prompts of ``configs/bench/dataset_prompts.txt`` (written
+apart from the training prompts, many styles) with stop tokens on (natural lengths, up to
+``--dataset-max-new``), ``--dataset-batch`` slots: the same engines in fixed batches
+(``generate`` on consecutive chunks, rows keyed by dataset index) and with continuous
+batching (``generate_dataset``). Reported: wall time per generated token, loop
+iterations, tokens per loop iteration per slot against the rows' own tokens per round,
+and whether both modes gave the same tokens (fixed K and autoregressive: they must).
+
+Prints a Markdown report and writes it with every figure to ``--out`` (JSON + .md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from specjax import build, sampling  # noqa: E402
+from specjax.engine import cost_file  # noqa: E402
+
+
+def _csv(typ):
+    return lambda s: tuple(typ(x) for x in s.split(",") if x.strip())
+
+
+def _read(path):
+    return [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def grid(a, target, draft, tok, lines):
+    rows = []
+    prompts_all = [tok.encode_user(t) for t in _read(REPO / "configs/bench/prompts.txt")]
+    for b in a.batches:
+        ids = [prompts_all[i % len(prompts_all)] for i in range(b)]
+        engines = {"autoregressive": build.make_autoregressive_engine(target)}
+        for k in a.ks:
+            engines[f"K={k}"] = build.make_engine(target, draft, k)
+        engines["K=auto"] = build.make_engine(target, draft, "auto")
+        for t in a.temps:
+            sp = sampling.SamplingConfig(temperature=t)
+            kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.max_new)
+            for name, eng in engines.items():
+                t0 = time.perf_counter()
+                extra = dict(greedy=t == 0) if name == "autoregressive" else {}
+                eng.compile(ids, **kw, **extra)
+                if name == "K=auto" and t == a.temps[0]:
+                    lines.append(f"batch {b}: K=auto costs (ms per round drafting 0..K tokens): "
+                                 + ", ".join(f"{1e3 * c:.1f}" for c in eng.costs_for(b))
+                                 + f" (compile + measuring {time.perf_counter() - t0:.0f} s)")
+            times = {n: [] for n in engines}
+            info = {}
+            for r in range(a.repeats):
+                for name, eng in engines.items():
+                    extra = dict(greedy=t == 0) if name == "autoregressive" else {}
+                    out, dt = _timed(lambda: eng.generate(ids, **kw, **extra))
+                    times[name].append(dt)
+                    if out.stats is not None:
+                        n = sum(len(x) for x in out.tokens)
+                        info[name] = dict(tokens_per_round=n / sum(s.rounds for s in out.stats),
+                                          k_rounds=np.asarray(out.raw["k_rounds"]).tolist())
+            base = float(np.median(times["autoregressive"]))
+            for name in engines:
+                med = float(np.median(times[name]))
+                rows.append(dict(batch=b, temperature=t, setting=name, seconds=med,
+                                 tok_s=b * a.max_new / med, speedup=base / med, **info.get(name, {})))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def dataset(a, target, draft, tok):
+    texts = _read(REPO / "configs/bench/dataset_prompts.txt")[: a.dataset_prompts]
+    ids = [tok.encode_user(t) for t in texts]
+    sp = sampling.SamplingConfig(temperature=a.dataset_temperature, top_p=a.dataset_top_p)
+    kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.dataset_max_new, stop_tokens=list(tok.stop_ids))
+    b = a.dataset_batch
+    chunks = [list(range(i, min(i + b, len(ids)))) for i in range(0, len(ids), b)]
+    engines = {"autoregressive": build.make_autoregressive_engine(target),
+               f"K={a.dataset_k}": build.make_engine(target, draft, a.dataset_k),
+               "K=auto": build.make_engine(target, draft, "auto")}
+    res = []
+    for name, eng in engines.items():
+        for c in chunks:  # compile every program first
+            eng.compile([ids[i] for i in c], row_indices=c, **kw)
+        eng.compile(ids, dataset_batch=b, **kw)
+
+        def fixed():
+            outs = [eng.generate([ids[i] for i in c], row_indices=c, **kw) for c in chunks]
+            toks = [t for o in outs for t in o.tokens]
+            stats = None if outs[0].stats is None else [s for o in outs for s in o.stats]
+            iters = sum(int(o.raw["iterations"]) for o in outs)
+            return toks, stats, iters
+
+        def cont():
+            o = eng.generate_dataset(ids, batch_size=b, **kw)
+            return o.tokens, o.stats, int(o.raw["iterations"])
+
+        for mode, fn in (("fixed batches", fixed), ("continuous", cont)):
+            (toks, stats, iters), dt = _timed(fn)
+            n = sum(len(t) for t in toks)
+            row = dict(setting=name, mode=mode, seconds=dt, tokens=n, ms_per_token=1e3 * dt / n,
+                       iterations=iters, tokens_per_iteration_per_slot=n / (iters * b),
+                       lengths=[len(t) for t in toks])
+            if stats is not None:
+                row["rows_tokens_per_round"] = n / sum(s.rounds for s in stats)
+            row["tokens_list"] = toks
+            res.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("tokens_list", "lengths")}), flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=_csv(int), default=(1, 4, 16))
+    ap.add_argument("--temps", type=_csv(float), default=(0.0, 1.0))
+    ap.add_argument("--ks", type=_csv(int), default=(2, 3))
+    ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dataset-prompts", type=int, default=64)
+    ap.add_argument("--dataset-batch", type=int, default=16)
+    ap.add_argument("--dataset-max-new", type=int, default=128)
+    ap.add_argument("--dataset-k", type=int, default=3)
+    ap.add_argument("--dataset-temperature", type=float, default=0.7)
+    ap.add_argument("--dataset-top-p", type=float, default=0.9)
+    ap.add_argument("--skip-grid", action="store_true")
+    ap.add_argument("--skip-dataset", action="store_true")
+    ap.add_argument("--out", default="out/bench_schedule")
+    a = ap.parse_args()
+    target, tok, _ = build.load_target("default")
+    draft, _ = build.resolve_draft("default", target)
+    lines = [f"command: `python {shlex.join(['scripts/bench_schedule.py'] + sys.argv[1:])}`",
+             f"cost file: {cost_file()}"]
+    out = {"grid": [], "dataset": []}
+    if not a.skip_grid:
+        out["grid"] = grid(a, target, draft, tok, lines)
+    if not a.skip_dataset:
+        out["dataset"] = dataset(a, target, draft, tok)
+    md = lines + [""]
+    if out["grid"]:
+        md += ["| batch | T | setting | s (median) | tok/s | speedup | tok/round | rounds by draft tokens |",
+               "|---|---|---|---|---|---|---|---|"]
+        for r in out["grid"]:
+            md.append(f"| {r['batch']} | {r['temperature']:g} | {r['setting']} | {r['seconds']:.2f} | "
+                      f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r.get('tokens_per_round', float('nan')):.2f} | "
+                      f"{r.get('k_rounds', '')} |")
+        md.append("")
+    if out["dataset"]:
+        md += ["| setting | mode | s | tokens | ms/token | loop iterations | tok/iteration/slot | rows' tok/round | same tokens as fixed |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        ref = {}
+        for r in out["dataset"]:
+            same = ""
+            if r["mode"] == "fixed batches":
+                ref[r["setting"]] = r["tokens_list"]
+            else:
+                same = "yes" if ref.get(r["setting"]) == r["tokens_list"] else "no"
+            md.append(f"| {r['setting']} | {r['mode']} | {r['seconds']:.1f} | {r['tokens']} | {r['ms_per_token']:.2f} | "
+                      f"{r['iterations']} | {r['tokens_per_iteration_per_slot']:.3f} | "
+                      f"{r.get('rows_tokens_per_round', float('nan')):.3f} | {same} |")
+        lens = out["dataset"][0]["lengths"]
+        md.append(f"\nnatural lengths (first setting): min {min(lens)}, median {int(np.median(lens))}, max {max(lens)}")
+    text = "\n".join(md)
+    print(text)
+    p = Path(a.out)
+    p.mkdir(parents=True, exist_ok=True)
+    (p / "bench_schedule.md").write_text(text + "\n")
+    for r in out["dataset"]:
+        r.pop("tokens_list", None)
+    (p / "bench_schedule.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Adaptive speculation length (``k="auto"``): exactness of the whole loop when the number
+of draft tokens changes from round to round (and from row to row), the cost model, and
+a mutant that peeks at the current round and must fail the law test."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import engine, sampling
+from specjax.audit import chi_square_test
+from specjax.drafts import DraftModelProposer
+from specjax.models.llama import LlamaLM, tiny_config
+from specjax.sampling import process_rows
+from tests.engine_law import exact_chain_law, histogram
+
+V = 8
+PROMPT = [1, 5, 2]
+ROWS = 40_000
+ALPHA_SIG = 1e-3
+K = 2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22)
+
+
+class _Cycle(engine.SpeculativeEngine):
+    """Each row drafts (gen_len + prompt length) mod (K+1) tokens: j changes every round,
+    rows of a batch differ, plain rounds (j = 0 for every row) happen; history only."""
+
+    def choose_k(self, c, costs, inputs):
+        return (c.state.seq_len) % (self.k + 1)
+
+
+class _Peek(engine.SpeculativeEngine):
+    """MUTANT: drafts 1 token for the rows whose first draft this round's own verification
+    would accept, none for the others (their token then comes from p): the choice looks at
+    the current round's draws."""
+
+    def choose_k(self, c, costs, inputs):
+        target_params, draft_params, row_keys, params, controls, _, _, use_penalties = inputs
+        prop = self._proposers[1]
+        round_keys, proposal = self._propose(c, draft_params, row_keys, params, controls,
+                                             use_penalties, prop)
+        nd = proposal.num_draft
+        logits, _, _ = self._score(target_params, c.state, proposal.tokens, nd, c.target_cache)
+        p_lp = process_rows(logits, params, lambda: self.position_counts(c.state.counts, proposal.tokens, nd),
+                            use_penalties)
+        res = self._verify(round_keys, proposal.tokens, proposal.logprobs, p_lp, nd)
+        return jnp.where(res.num_accepted > 0, 1, 0).astype(jnp.int32)
+
+
+def _hist(eng, cfg, n, rows=ROWS):
+    out = eng.generate([PROMPT] * rows, seed=0, row_indices=np.arange(rows), sampling_params=cfg,
+                       max_new_tokens=n)
+    toks = np.array(out.tokens)
+    assert toks.shape == (rows, n)
+    return histogram(toks, V, n), out
+
+
+@pytest.fixture(scope="module")
+def law(target):
+    return exact_chain_law(target, PROMPT, 4, sampling.SamplingConfig(temperature=1.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["rule/token", "cycle/block", "mutant_peek/token"])
+def test_adaptive_k_law(target, draft, law, variant):
+    kind, method = variant.split("/")
+    cfg = sampling.SamplingConfig(temperature=1.0)
+    # costs that make the rule switch as evidence comes in: with the prior (a = 0.5) it
+    # drafts 2, and with this draft's acceptance it falls back to 1 or 0
+    cls = {"rule": engine.SpeculativeEngine, "cycle": _Cycle, "mutant_peek": _Peek}[kind]
+    eng = cls(target, DraftModelProposer(draft, K), method, adaptive=True, costs={ROWS: [1.0, 1.2, 1.35]})
+    hist, out = _hist(eng, cfg, 4)
+    used = np.asarray(out.raw["k_rounds"])
+    chi = chi_square_test(hist, law)
+    if kind == "mutant_peek":
+        assert chi.p_value < 1e-6, f"the peeking mutant passed (p={chi.p_value:.3g}): no power"
+        return
+    assert (used > 0).sum() >= 2, f"only one j was used: {used}"  # the law covers switching
+    assert chi.p_value > ALPHA_SIG, f"{variant}: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}, j used {used}"
+
+
+def test_a_rows_tokens_do_not_depend_on_the_other_rows_k(target, draft):
+    """Rows with different j in one round: each row's tokens are those it gets alone
+    (capped num_draft, keys by position), at T=1, with plain rounds in between."""
+    eng = _Cycle(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={1: [1, 1, 1], 3: [1, 1, 1]})
+    prompts = [[1, 5, 2], [3, 3, 1, 4], [2, 6, 7, 1, 1]]
+    cfg = dict(sampling_params=sampling.SamplingConfig(temperature=1.0), max_new_tokens=12)
+    together = eng.generate(prompts, seed=3, **cfg)
+    plain = 0
+    for i, p in enumerate(prompts):
+        alone = eng.generate([p], seed=3, row_indices=[i], **cfg)
+        assert alone.tokens[0] == together.tokens[i]
+        assert alone.stats[0].rounds == together.stats[i].rounds
+        plain += int(alone.raw["k_rounds"][0])
+    assert plain > 0 and np.count_nonzero(together.raw["k_rounds"]) >= 2
+
+
+def test_adaptive_greedy_equals_autoregressive_greedy(target, draft):
+    ar = engine.AutoregressiveEngine(target).generate([PROMPT, [4, 4]], seed=0, max_new_tokens=16, greedy=True)
+    for cls in (engine.SpeculativeEngine, _Cycle):
+        eng = cls(target, DraftModelProposer(draft, K), "greedy", adaptive=True, costs={2: [1, 1.1, 1.2]})
+        assert eng.generate([PROMPT, [4, 4]], seed=0, max_new_tokens=16).tokens == ar.tokens
+
+
+def test_the_rule_drafts_when_it_pays_and_not_when_it_does_not():
+    def auto(acc, reach, since=0):
+        z = engine.AutoState.zeros(3)
+        return z.replace(accepted=jnp.asarray(acc, jnp.float32), reached=jnp.asarray(reach, jnp.float32),
+                         since=jnp.int32(since))
+    high = auto([90, 80, 70], [100, 90, 80])
+    low = auto([5, 1, 0], [100, 5, 1])
+    flat = [1.0, 1.1, 1.15, 1.2]
+    steep = [1.0, 1.9, 2.8, 3.7]
+    assert int(engine.choose_k(high, flat)) == 3
+    assert int(engine.choose_k(low, flat)) == 0
+    assert int(engine.choose_k(high, steep)) == 0  # 2.7 tokens for 1.9x the cost: no
+    assert int(engine.choose_k(low, flat)) == 0 and int(engine.choose_k(auto([5, 1, 0], [100, 5, 1], 40), flat)) == 1  # probe
+    assert int(engine.choose_k(engine.AutoState.zeros(3), [1.0, np.inf, 1.0, np.inf])) == 2  # inf: never
+
+
+def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+    c = eng.costs_for(2)
+    assert c.shape == (K + 1,) and np.all(c > 0) and np.all(np.isfinite(c))
+    assert engine.cost_file().exists()
+    again = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+    assert np.allclose(again.costs_for(2), c) and not again._compiled  # read, not measured
+    other = engine.SpeculativeEngine(target, DraftModelProposer(draft, 1), "token", adaptive=True)
+    assert other.cost_key(2) != eng.cost_key(2)
+    with pytest.raises(ValueError, match="K\\+1"):
+        eng.set_costs(2, [1.0, 2.0])
+    with pytest.raises(ValueError, match="positive"):
+        eng.set_costs(2, [1.0, -1.0, 2.0])
+
+
+class _Phases(engine.SpeculativeEngine):
+    """j = 2, then plain, then 1, then plain rounds to the end (a plain round emits one token,
+    so the last commit is never cut by max_new_tokens and the state can be compared)."""
+
+    def choose_k(self, c, costs, inputs):
+        g = c.state.gen_len
+        return jnp.where(g < 6, 2, jnp.where(g < 10, 0, jnp.where(g < 13, 1, 0))).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_model"])
+def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
+    """Plain rounds (j = 0) skip ``propose``: the proposer must still end up where a fresh
+    ``init`` over the committed sequence puts it (EAGLE head: its predicted feature and KV
+    over the (feature, token) pairs; draft model: its KV cache over s[:c-2])."""
+    from specjax.drafts import EagleProposer
+    from specjax.models.eagle import EagleConfig, EagleModel
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    if kind == "eagle":
+        cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32)
+        prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K)
+    else:
+        prop = DraftModelProposer(LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6), K)
+    eng = _Phases(tgt, prop, "token", adaptive=True, costs={1: [1, 1, 1]})
+    prompt = [3, 9, 27, 17, 4]
+    out = eng.generate([prompt], seed=1, max_new_tokens=17, sampling_params=sampling.SamplingConfig(temperature=1.0))
+    assert out.raw["k_rounds"][0] > 0 and out.raw["k_rounds"][1:].sum() > 0
+    seq = np.array([prompt + out.tokens[0]], np.int32)
+    c = seq.shape[1]
+    cache_len = eng.target.init_cache(1, 64).max_len
+    st = out.raw["proposer_state"]
+    if kind == "eagle":
+        hidden = tgt.apply(tgt.params, jnp.asarray(seq), tgt.init_cache(1, cache_len), return_hidden=True).hidden
+        fresh = prop.init(prop.params, jnp.asarray(seq), jnp.array([c]), cache_len, hidden)
+        np.testing.assert_allclose(np.asarray(st["h"]), np.asarray(fresh["h"]), atol=2e-5)
+        n = c - 1
+        got, want = st["cache"], fresh["cache"]
+    else:
+        fresh = prop.init(prop.params, jnp.asarray(seq), jnp.array([c]), cache_len)
+        n = c - 2
+        got, want = st, fresh
+    np.testing.assert_allclose(np.asarray(got.k)[:, 0, :, :n], np.asarray(want.k)[:, 0, :, :n], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got.v)[:, 0, :, :n], np.asarray(want.v)[:, 0, :, :n], atol=2e-5)

@@ -1,0 +1,73 @@
+"""Continuous batching (``generate_dataset``): every row's output is what it gets alone,
+with ragged prompt lengths, ragged max_new_tokens and early stops; one compiled program
+set for the whole run."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax import engine, sampling
+from specjax.drafts import DraftModelProposer
+from specjax.models.llama import LlamaLM, tiny_config
+
+V = 8
+
+
+@pytest.fixture(scope="module")
+def models():
+    return (LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11),
+            LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22))
+
+
+def _dataset(n=11, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, V, rng.integers(2, 20)).tolist() for _ in range(n)]
+    return prompts, rng.integers(1, 30, n)
+
+
+@pytest.mark.parametrize("which", ["speculative", "autoregressive", "adaptive"])
+def test_rows_equal_one_row_runs(models, which):
+    target, draft = models
+    if which == "speculative":
+        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
+    elif which == "adaptive":  # each row's j from its own history: its own tokens alone too
+        eng = _RowCycle(target, DraftModelProposer(draft, 2), "token", adaptive=True, costs={1: [1, 1, 1], 4: [1, 1, 1]})
+    else:
+        eng = engine.AutoregressiveEngine(target)
+    prompts, max_new = _dataset()
+    cfg = sampling.SamplingConfig(temperature=1.0)
+    kw = dict(seed=5, sampling_params=cfg, stop_tokens=[0])
+    seen = []
+    out = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new,
+                               on_row=lambda i, row: seen.append(i), **kw)
+    assert sorted(seen) == list(range(len(prompts))) and seen != list(range(len(prompts)))  # refilled out of order
+    assert out.raw["inserts"] == len(prompts) - 4 and out.raw["batch_size"] == 4
+    assert any(out.finished_by_stop) and not all(out.finished_by_stop)
+    for i, p in enumerate(prompts):
+        one = eng.generate([p], row_indices=[i], max_new_tokens=int(max_new[i]), **kw)
+        assert one.tokens[0] == out.tokens[i], i
+        assert one.finished_by_stop[0] == out.finished_by_stop[i]
+        if out.stats is not None:
+            assert one.stats[0].rounds == out.stats[i].rounds
+            assert one.stats[0].accepted == out.stats[i].accepted
+    # a second dataset with other values and lengths (same buckets): no new trace
+    traces = eng.trace_count
+    eng.generate_dataset(prompts[::-1], batch_size=4, max_new_tokens=max_new[::-1], **kw)
+    assert eng.trace_count == traces
+
+
+class _RowCycle(engine.SpeculativeEngine):
+    def choose_k(self, c, costs, inputs):
+        return c.state.seq_len % (self.k + 1)
+
+
+def test_batch_of_one_and_larger_than_the_dataset(models):
+    target, _ = models
+    eng = engine.AutoregressiveEngine(target)
+    prompts, max_new = _dataset(5, seed=1)
+    kw = dict(seed=2, max_new_tokens=max_new, sampling_params=dict(temperature=1.0))
+    ref = eng.generate(prompts, **kw).tokens  # one batch: rows keep their dataset index
+    assert eng.generate_dataset(prompts, batch_size=1, **kw).tokens == ref
+    assert eng.generate_dataset(prompts, batch_size=64, **kw).tokens == ref
+    with pytest.raises(ValueError, match="batch_size"):
+        eng.generate_dataset(prompts, batch_size=0, **kw)
