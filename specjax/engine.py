@@ -602,7 +602,8 @@ class _Sharded:
         start, advance, finish = self._stream_executables(args, static)
         one, _ = self._call_args(_batch_rows(full, [0]), **static_opts)
         carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
-        sig = ("_insert", jax.tree.map(lambda x: (x.shape, x.dtype), carry),
+        sig = ("_insert", str(jax.tree.structure(carry)),
+               tuple((x.shape, x.dtype) for x in jax.tree.leaves(carry)),
                tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in jax.tree.leaves(one)),
                tuple(sorted(static.items())))
         insert = self._compiled.get(sig)
@@ -932,21 +933,29 @@ class SpeculativeEngine(_Sharded):
         inputs = (target_params, draft_params, row_keys, params, controls, max_new, stop_ids,
                   use_penalties)
 
-        def body(c: SpecCarry) -> SpecCarry:
-            if self.tree:
-                return self._tree_round(c, *inputs)
-            if not self.adaptive:
-                return self._round(c, *inputs)
-            # adaptive K: draft tokens per row chosen from earlier rounds; the round runs the
-            # branch of the largest (rows that chose fewer cap their num_draft)
-            rows_k = jnp.clip(self.choose_k(c, costs, inputs), 0, self.k)
-            top = jnp.max(jnp.where(c.state.done, 0, rows_k))
-            branches = [lambda c_, r: self._plain_round(c_, *inputs)] + [
-                (lambda c_, r, j=j: self._round(c_, *inputs, proposer=self._proposers[j], rows_k=r))
-                for j in range(1, self.k + 1)]
-            return jax.lax.switch(top, branches, c, rows_k)
+        more = _more(carry, until, pause)
+        if not self.adaptive:
+            round_fn = self._tree_round if self.tree else self._round
+            return jax.lax.while_loop(more, lambda c: round_fn(c, *inputs), carry)
 
-        return jax.lax.while_loop(_more(carry, until, pause), body, carry)
+        # adaptive K: draft tokens per row chosen from earlier rounds; a round runs the
+        # branch of the largest (rows that chose fewer cap their num_draft). Each branch is
+        # an inner loop that goes on while the choice stays the same, so that the switch
+        # (whose operands, the caches included, XLA may copy) is crossed only on a change.
+        def choice(c):
+            rows_k = jnp.clip(self.choose_k(c, costs, inputs), 0, self.k)
+            return rows_k, jnp.max(jnp.where(c.state.done, 0, rows_k))
+
+        def branch(j):
+            def step(c):
+                if j == 0:
+                    return self._plain_round(c, *inputs)
+                return self._round(c, *inputs, proposer=self._proposers[j], rows_k=choice(c)[0])
+
+            return lambda c: jax.lax.while_loop(lambda x: more(x) & (choice(x)[1] == j), step, c)
+
+        branches = [branch(j) for j in range(self.k + 1)]
+        return jax.lax.while_loop(more, lambda c: jax.lax.switch(choice(c)[1], branches, c), carry)
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
                          max_new, stop_ids, use_penalties, costs, until, pause) -> SpecCarry:
