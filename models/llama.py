@@ -59,7 +59,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
-from specjax.models.base import KVCache, ModelOutput, TreeAttention
+from specjax.models.base import KVCache, ModelOutput, TreeAttention, row_sum
 from specjax.models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
 
 # --------------------------------------------------------------------------------------
@@ -269,7 +269,8 @@ def rms_norm(x, w, eps, offset: float = 0.0):
     """RMSNorm over the last axis in float32, scaled by ``w`` (``offset + w`` with an offset:
     Gemma's ``1 + w``), cast back to ``x``'s dtype."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    # row_sum, not jnp.mean: a row's result must not depend on the batch (see row_sum)
+    y = xf * jax.lax.rsqrt(row_sum(xf * xf)[..., None] / xf.shape[-1] + eps)
     scale = w.astype(jnp.float32)
     if offset:
         scale = offset + scale
