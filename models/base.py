@@ -113,23 +113,6 @@ class LanguageModel(Protocol):
     # optional: ``supports_tree = True`` and ``apply(..., tree=TreeAttention)`` (see above)
 
 
-def row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis in a fixed pairwise order that depends only on its length, so a
-    row's sum does not depend on how many rows there are (XLA's reduce picks its summation
-    order, hence the bits, from the whole shape). The terms are materialized first (an
-    optimization barrier), so that no multiply producing them can be contracted with the
-    adds into an FMA in one loop (vector or scalar) and not in another. (A copy lives in
-    specjax.sampling, which may not import the models.)"""
-    x = jax.lax.optimization_barrier(x)
-    n = x.shape[-1]
-    while n > 1:
-        h = n // 2
-        s = x[..., :h] + x[..., h:2 * h]
-        x = jnp.concatenate([s, x[..., 2 * h:]], axis=-1) if n % 2 else s
-        n = h + n % 2
-    return x[..., 0]
-
-
 PREFILL_CHUNK = 512  # prompt tokens per forward in :func:`prefill` (a power of two)
 
 

@@ -57,7 +57,9 @@ KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
 TARGET_F16 = "specjax_small_matmul_f16"  # float16 weights (float32 x and y)
 ATTENTION_TARGET = "specjax_attention"
-SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f for f in ("small_matmul.cc", "attention.cc"))
+RMS_NORM_TARGET = "specjax_rms_norm"
+SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f
+                for f in ("small_matmul.cc", "attention.cc", "rms_norm.cc"))
 HEADERS = (Path(__file__).resolve().parent / "kernels" / "common.h",)  # part of the cache key
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
@@ -137,6 +139,7 @@ def _build_and_register() -> tuple:
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
+        jax.ffi.register_ffi_target(RMS_NORM_TARGET, jax.ffi.pycapsule(lib.SpecjaxRmsNorm), platform="cpu")
         return True, "", lib
     except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
         return False, f"{type(e).__name__}: {e}", None
@@ -233,6 +236,26 @@ def use_attention(mode: str, q: jax.Array, k_all: jax.Array) -> bool:
     if q.dtype != jnp.float32 or k_all.dtype != jnp.float32 or q.ndim != 5 or k_all.ndim != 5:
         return False
     return _usable(mode)
+
+
+def use_rms_norm(mode: str, x: jax.Array) -> bool:
+    """Trace-time choice for an RMSNorm of float32 ``x`` over its last axis."""
+    _check_mode(mode)
+    if x.dtype != jnp.float32 or x.ndim < 1 or x.size == 0:
+        return False
+    return _usable(mode)
+
+
+def rms_norm_raw(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """The RMSNorm kernel (no autodiff rule: models/llama.py wraps it in a custom_jvp):
+    ``x / sqrt(mean(x ** 2, -1) + eps) * (offset + w)`` for float32 ``x`` [..., D] and
+    ``w`` [D], each row summed in one fixed order (models/kernels/rms_norm.cc)."""
+    _require()
+    d = x.shape[-1]
+    y = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct((x.size // d, d), jnp.float32),
+                         vmap_method="sequential")(
+        x.reshape(-1, d), jnp.asarray(w, jnp.float32), eps=np.float32(eps), offset=np.float32(offset))
+    return y.reshape(x.shape)
 
 
 def attention_raw(q, k_all, v_all, layer, positions, window=None, scale=None, softcap: float = 0.0) -> jax.Array:

@@ -349,13 +349,10 @@ def _mass_above(c, pc):
 
 
 def row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis in a fixed pairwise order that depends only on its length, so a
-    row's sum does not depend on how many rows there are: XLA's reduce picks its summation
-    order, hence the bits, from the whole shape. The terms are materialized first (an
-    optimization barrier) so that no multiply producing them can be contracted with the adds
-    into an FMA in one loop and not in another. (The same as ``specjax.models.base.row_sum``;
-    the math layer does not import the models.)"""
-    x = jax.lax.optimization_barrier(x)
+    """Sum over the last axis in a fixed pairwise order that depends only on its length
+    (elementwise adds of halves), so a row's sum does not depend on how many rows there
+    are: XLA's reduce picks its summation order, hence the bits, from the whole shape (on
+    CPU a row's log-softmax or overlap alpha changed with the batch size)."""
     n = x.shape[-1]
     while n > 1:
         h = n // 2
