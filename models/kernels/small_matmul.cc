@@ -1,5 +1,5 @@
-// specjax small-M float32 matmul for XLA CPU: y[M, N] = x[M, K] @ w[K, N] for small M (any M works;
-// models/cpu_kernels.py uses it up to MAX_ROWS, where XLA's packed GEMM starts to win).
+// specjax float32 matmul for XLA CPU: y[M, N] = x[M, K] @ w[K, N], built for small M (decode and
+// verification steps); above kMaxSmallRows rows BigJob below does the same sums by panels.
 //
 // Why: XLA's CPU backend runs a 1-row matmul as a streaming matrix-vector loop, but 2..9
 // rows as a packed GEMM that reads the weights at ~2/3 of memory bandwidth, so a 5-token
@@ -14,8 +14,9 @@
 //     unit keeps up to kMaxRows x 64 accumulators in vector registers (7..9 rows: 32-column
 //     units, one pass), and the row tile
 //     kPrefetchRows ahead is prefetched so memory traffic overlaps the FMAs.
-// The per-element accumulation order depends only on K and the thread count, never on M
-// or on the other rows, so a row's result does not depend on the batch it sits in.
+// The per-element accumulation order depends only on K, N and the thread count, never on M
+// or on the other rows (BigJob keeps it), so a row's result does not depend on the batch it
+// sits in, bit for bit.
 // Vectors are GCC vector extensions (AVX-512 with -march=native where present, else what
 // the CPU has). Built on first use by models/cpu_kernels.py.
 // Weights may also be float16 (SpecjaxSmallMatmulF16: x and y stay float32, each weight
