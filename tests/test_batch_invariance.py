@@ -86,9 +86,11 @@ def test_prefill_bit_identical_for_any_batch_and_prompt_buffer(model, rows):
 
 @pytest.fixture(scope="module")
 def spec_engine():
-    tgt = LlamaLM.init(tiny_config(vocab_size=200, n_layers=2, dim=48, ffn_dim=96), seed=5)
+    tgt = LlamaLM.init(tiny_config(vocab_size=200, n_layers=1, dim=48, ffn_dim=96), seed=5)
     dft = LlamaLM.init(tiny_config(vocab_size=200, n_layers=1, dim=32), seed=6)
-    return engine.SpeculativeEngine(tgt, DraftModelProposer(dft, 3), "token")
+    # always_drafts: one conditional fewer to compile (speed only: test_engine.py)
+    return engine.SpeculativeEngine(tgt, dataclasses.replace(DraftModelProposer(dft, 3), always_drafts=True),
+                                    "token")
 
 
 def _prompts(n):
