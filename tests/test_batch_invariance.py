@@ -15,7 +15,7 @@ from specjax import engine, sampling
 from specjax.drafts import DraftModelProposer
 from specjax.models import cpu_kernels as ck
 from specjax.models.base import KVCache
-from specjax.models.llama import LlamaLM, tiny_config
+from specjax.models.llama import LlamaLM, expected_shapes, tiny_config
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu" or jax.device_count() != 1,
@@ -28,12 +28,21 @@ BMAX = max(BATCHES)
 S = 48  # cache slots
 
 
+def _init(cfg, seed):
+    """LlamaLM with numpy-drawn weights (LlamaLM.init's jax.random draws compile per shape)."""
+    rng = np.random.default_rng(seed)
+    w = {k: (1.0 + 0.1 * rng.standard_normal(s) if k.endswith("norm") else
+             rng.standard_normal(s) / (1.0 if k == "embed" else np.sqrt(s[-1]))).astype(np.float32)
+         for k, s in expected_shapes(cfg).items()}
+    return LlamaLM.from_weights(cfg, w)
+
+
 @pytest.fixture(scope="module")
 def model():
     # vocab 200 and dim 48: neither a multiple of the kernel's 64-column unit; 2 layers, GQA
     cfg = tiny_config(vocab_size=200, n_layers=2, dim=48, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96)
     assert cfg.cpu_kernels == "auto"
-    return LlamaLM.init(cfg, seed=3)
+    return _init(cfg, 3)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +95,8 @@ def test_prefill_bit_identical_for_any_batch_and_prompt_buffer(model, rows):
 
 @pytest.fixture(scope="module")
 def spec_engine():
-    tgt = LlamaLM.init(tiny_config(vocab_size=200, n_layers=1, dim=48, ffn_dim=96), seed=5)
-    dft = LlamaLM.init(tiny_config(vocab_size=200, n_layers=1, dim=32), seed=6)
+    tgt = _init(tiny_config(vocab_size=200, n_layers=1, dim=48, ffn_dim=96), 5)
+    dft = _init(tiny_config(vocab_size=200, n_layers=1, dim=32), 6)
     # always_drafts: one conditional fewer to compile (speed only: test_engine.py)
     return engine.SpeculativeEngine(tgt, dataclasses.replace(DraftModelProposer(dft, 3), always_drafts=True),
                                     "token")
