@@ -363,9 +363,10 @@ def row_sum(x: jax.Array) -> jax.Array:
 
 
 def logsumexp(x: jax.Array) -> jax.Array:
-    """``log sum exp(x)`` over the last axis (float32) with :func:`row_sum`'s batch-independent
-    order; rows of -inf give -inf, +inf gives +inf, NaN stays NaN (as jax.nn.logsumexp)."""
-    x = jnp.asarray(x, jnp.float32)
+    """``log sum exp(x)`` over the last axis (in ``x``'s dtype) with :func:`row_sum`'s
+    batch-independent order; rows of -inf give -inf, +inf gives +inf, NaN stays NaN (as
+    jax.nn.logsumexp)."""
+    x = jnp.asarray(x)
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     return jnp.log(row_sum(jnp.exp(x - m))) + m[..., 0]
