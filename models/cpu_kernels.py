@@ -1,5 +1,5 @@
-"""CPU kernels for XLA's CPU backend, called through the XLA FFI: a small-M float32 matmul
-and a cached attention.
+"""CPU kernels for XLA's CPU backend, called through the XLA FFI: a float32 matmul (fast for
+small M), a cached attention and an RMSNorm.
 
 Why they exist: XLA CPU runs a one-row matmul (a decode step) as a streaming
 matrix-vector loop at memory bandwidth, but 2..9 rows (a speculative verification step) as a
@@ -7,7 +7,13 @@ packed GEMM that reads the weights more slowly, so a verification step cost mark
 a 1-token step although its extra FLOPs are small. ``models/kernels/small_matmul.cc`` streams
 every weight matrix once for any ``M <= MAX_ROWS`` rows (see the comment at its top), so a
 verification step of a few tokens costs little more than a 1-token step, and the 1-token step
-itself is no slower than with XLA's dot.
+itself is no slower than with XLA's dot. Above ``MAX_ROWS`` rows it switches to a path by
+64-column panels and row blocks that does the same sums, element by element, so it serves
+every M (prefill, large batches) with a row's result independent of M.
+
+``models/kernels/rms_norm.cc`` sums each row's squares in one fixed order: XLA's reduce
+picks its order (and whether a multiply is contracted into its adds) from the whole shape,
+so a row's norm, hence every later float, changed with the batch size.
 
 ``models/kernels/attention.cc`` does a layer's cached attention (all rows and heads) in
 one call: XLA ran it as a loop of small ops per chunk of cache slots, whose dispatch cost,
@@ -20,18 +26,20 @@ The kernels are compiled on first use with the system C++ compiler (``$CXX`` or 
 ``-O3 -march=native``) against the FFI headers shipped in jaxlib, cached under
 ``$SPECJAX_KERNEL_CACHE`` (default ``~/.cache/specjax/kernels``) keyed by the source,
 compiler, flags, jaxlib version and CPU flags, and registered as the FFI targets
-``specjax_small_matmul`` and ``specjax_attention``. Models choose them at trace time
-(:func:`use_small_matmul`, :func:`use_attention`): ``LlamaConfig.cpu_kernels`` =
+``specjax_small_matmul``, ``specjax_attention`` and ``specjax_rms_norm``. Models choose them
+at trace time (:func:`use_small_matmul`, :func:`use_attention`, :func:`use_rms_norm`):
+``LlamaConfig.cpu_kernels`` =
 ``"auto"`` (default: a kernel where it applies and builds, else XLA with one warning),
 ``"kernel"`` (the same, but a failed build is an error) or ``"xla"`` (never). They apply
 to float32 on the CPU backend of a single-device process outside any mesh (a custom call
-is opaque to SPMD partitioning, so sharded runs keep XLA's ops); the matmul to
-``x[M, K] @ w[K, N]`` with ``M <= MAX_ROWS`` and ``N % 64 == 0``. Gradients go through
-``custom_jvp`` rules that use XLA's ops, so training is unaffected.
+is opaque to SPMD partitioning, so sharded runs keep XLA's ops); the matmul to any 2-D
+``x[M, K] @ w[K, N]`` (N not a multiple of 64: zero columns are padded per call and cut).
+Gradients go through ``custom_jvp`` rules that use XLA's ops, so training is unaffected.
 
-Numerics: each output element accumulates over K in an order that depends only on K and
+Numerics: each output element accumulates over K in an order that depends only on K, N and
 the thread count (never on M or the other rows), so a row's result does not depend on the
-batch it sits in; it differs from XLA's dot by float32 rounding only (~1e-6 relative).
+batch it sits in (bit for bit, on a given machine); it differs from XLA's dot by float32
+rounding only (~1e-6 relative). The same holds for the attention and RMSNorm kernels.
 """
 from __future__ import annotations
 
@@ -51,13 +59,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_ROWS = 16  # the kernel serves x[M, K] with M <= MAX_ROWS (crossover with XLA at M ~ 20: BENCHMARKS.md)
+MAX_ROWS = 16  # up to this M the matmul streams the weights once; above, its many-row path (same sums)
 COL_MULTIPLE = 64
 KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
 TARGET_F16 = "specjax_small_matmul_f16"  # float16 weights (float32 x and y)
 ATTENTION_TARGET = "specjax_attention"
-SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f for f in ("small_matmul.cc", "attention.cc"))
+RMS_NORM_TARGET = "specjax_rms_norm"
+SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f
+                for f in ("small_matmul.cc", "attention.cc", "rms_norm.cc"))
 HEADERS = (Path(__file__).resolve().parent / "kernels" / "common.h",)  # part of the cache key
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
@@ -137,6 +147,7 @@ def _build_and_register() -> tuple:
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
+        jax.ffi.register_ffi_target(RMS_NORM_TARGET, jax.ffi.pycapsule(lib.SpecjaxRmsNorm), platform="cpu")
         return True, "", lib
     except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
         return False, f"{type(e).__name__}: {e}", None
@@ -162,8 +173,13 @@ def _require():
 def _raw(x: jax.Array, w: jax.Array) -> jax.Array:
     _require()
     target = TARGET_F16 if w.dtype == jnp.float16 else TARGET_NAME
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
-                            vmap_method="sequential")(x, w)
+    n = w.shape[1]
+    pad = -n % COL_MULTIPLE  # the kernel takes whole 64-column units: zero columns, cut below
+    if pad:
+        w = jnp.pad(w, ((0, 0), (0, pad)))
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n + pad), jnp.float32),
+                         vmap_method="sequential")(x, w)
+    return y[:, :n] if pad else y
 
 
 @jax.custom_jvp
@@ -215,7 +231,7 @@ def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
     """Trace-time choice for one 2-D matmul ``x[M, K] @ w[K, N]`` (see the module docs)."""
     _check_mode(mode)
     if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype not in (jnp.float32, jnp.float16)
-            or x.shape[0] > MAX_ROWS or w.shape[1] % COL_MULTIPLE or x.shape[1] != w.shape[0]):
+            or x.shape[1] != w.shape[0] or x.shape[0] < 1):
         return False
     if w.dtype == jnp.float16 and not _has_f16c():
         return False
@@ -228,6 +244,26 @@ def use_attention(mode: str, q: jax.Array, k_all: jax.Array) -> bool:
     if q.dtype != jnp.float32 or k_all.dtype != jnp.float32 or q.ndim != 5 or k_all.ndim != 5:
         return False
     return _usable(mode)
+
+
+def use_rms_norm(mode: str, x: jax.Array) -> bool:
+    """Trace-time choice for an RMSNorm of float32 ``x`` over its last axis."""
+    _check_mode(mode)
+    if x.dtype != jnp.float32 or x.ndim < 1 or x.size == 0:
+        return False
+    return _usable(mode)
+
+
+def rms_norm_raw(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """The RMSNorm kernel (no autodiff rule: models/llama.py wraps it in a custom_jvp):
+    ``x / sqrt(mean(x ** 2, -1) + eps) * (offset + w)`` for float32 ``x`` [..., D] and
+    ``w`` [D], each row summed in one fixed order (models/kernels/rms_norm.cc)."""
+    _require()
+    d = x.shape[-1]
+    y = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct((x.size // d, d), jnp.float32),
+                         vmap_method="sequential")(
+        x.reshape(-1, d), jnp.asarray(w, jnp.float32), eps=np.float32(eps), offset=np.float32(offset))
+    return y.reshape(x.shape)
 
 
 def attention_raw(q, k_all, v_all, layer, positions, window=None, scale=None, softcap: float = 0.0) -> jax.Array:

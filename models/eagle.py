@@ -91,7 +91,7 @@ class Layer(nnx.Module):
         B, T, D = x.shape
         N, Nkv, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         ck = cfg.cpu_kernels  # small float32 matmuls (the proposer's M <= 16) use the CPU kernel
-        h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
+        h = rms_norm(x, self.attn_norm[...], cfg.norm_eps, cpu_kernels=ck)
         q = apply_rope(_linear(h, self.wq[...], ck).reshape(B, T, N, H), cos, sin)
         k = apply_rope(_linear(h, self.wk[...], ck).reshape(B, T, Nkv, H), cos, sin)
         v = _linear(h, self.wv[...], ck).reshape(B, T, Nkv, H)
@@ -100,7 +100,7 @@ class Layer(nnx.Module):
         v_all = v_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(v.astype(v_all.dtype), mode="drop")
         o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
         x = x + _linear(o.reshape(B, T, N * H), self.wo[...], ck)
-        h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
+        h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps, cpu_kernels=ck)
         a = jax.nn.silu(_linear(h, self.w_gate[...], ck)) * _linear(h, self.w_up[...], ck)
         return x + _linear(a, self.w_down[...], ck), k_all, v_all
 
@@ -280,7 +280,7 @@ class EagleHead(nnx.Module):
     def _layers(self, x, k_all, v_all, slots, cos, sin, mask):
         for i, blk in enumerate(self.layers):
             x, k_all, v_all = blk(x, k_all, v_all, i, slots, cos, sin, mask)
-        return rms_norm(x, self.out_norm[...], self.cfg.norm_eps), k_all, v_all
+        return rms_norm(x, self.out_norm[...], self.cfg.norm_eps, cpu_kernels=self.cfg.layer_config().cpu_kernels), k_all, v_all
 
     # ------------------------------------------------------------------ cached step
     def __call__(self, hidden, tokens, cache: KVCache):

@@ -60,7 +60,8 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
 from specjax.models.base import KVCache, ModelOutput, TreeAttention
-from specjax.models.cpu_kernels import KERNEL_MODES, attention_raw, small_matmul, use_attention, use_small_matmul
+from specjax.models.cpu_kernels import (KERNEL_MODES, attention_raw, rms_norm_raw, small_matmul, use_attention,
+                                        use_rms_norm, use_small_matmul)
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -265,15 +266,30 @@ def _param(value, names: tuple) -> nnx.Param:
 # --------------------------------------------------------------------------------------
 
 
-def rms_norm(x, w, eps, offset: float = 0.0):
+def rms_norm(x, w, eps, offset: float = 0.0, cpu_kernels: str = "xla"):
     """RMSNorm over the last axis in float32, scaled by ``w`` (``offset + w`` with an offset:
-    Gemma's ``1 + w``), cast back to ``x``'s dtype."""
+    Gemma's ``1 + w``), cast back to ``x``'s dtype. ``cpu_kernels`` (``LlamaConfig.cpu_kernels``):
+    float32 ``x`` on CPU may go to the FFI kernel, whose per-row sum has a fixed order (XLA's
+    reduce changes its order, hence a row's bits, with the number of rows)."""
+    if use_rms_norm(cpu_kernels, x):
+        return _kernel_rms_norm(x, w, float(eps), float(offset))
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     scale = w.astype(jnp.float32)
     if offset:
         scale = offset + scale
     return (y * scale).astype(x.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _kernel_rms_norm(x, w, eps: float, offset: float):
+    return rms_norm_raw(x, w, eps, offset)
+
+
+@_kernel_rms_norm.defjvp
+def _kernel_rms_norm_jvp(eps, offset, primals, tangents):
+    """The derivative of the XLA form (training never sees the kernel)."""
+    return jax.jvp(lambda x, w: rms_norm(x, w, eps, offset), primals, tangents)
 
 
 def rope_inv_freq(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
@@ -693,16 +709,16 @@ class Block(nnx.Module):
         dt = cfg.compute_dtype
         B, T, D = x.shape
         Nkv, G, H = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
-        off, eps = cfg.norm_offset, cfg.norm_eps
+        off, eps, ck = cfg.norm_offset, cfg.norm_eps, cfg.cpu_kernels
 
-        h = rms_norm(x, self.attn_norm[...], eps, off)
+        h = rms_norm(x, self.attn_norm[...], eps, off, ck)
         qkv = _linear(h, self.wqkv[...].astype(dt), cfg.cpu_kernels).reshape(B, T, Nkv, G + 2, H)
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...].astype(dt)
         q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], eps, off)
-            k = rms_norm(k, self.k_norm[...], eps, off)
+            q = rms_norm(q, self.q_norm[...], eps, off, ck)
+            k = rms_norm(k, self.k_norm[...], eps, off, ck)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         slots = positions if tree is None else tree[0]
@@ -717,11 +733,11 @@ class Block(nnx.Module):
             o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, **attn)  # [B,T,Nkv,G,H]
         h = _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.cpu_kernels)
         if cfg.sandwich_norm:
-            h = rms_norm(h, self.post_attn_norm[...], eps, off)
+            h = rms_norm(h, self.post_attn_norm[...], eps, off, ck)
         x = x + h
         x = constrain(x, ("batch", None, "embed"))
 
-        h = rms_norm(x, self.mlp_norm[...], eps, off)
+        h = rms_norm(x, self.mlp_norm[...], eps, off, ck)
         gu = _linear(h, self.w_gate_up[...].astype(dt), cfg.cpu_kernels).reshape(B, T, 2, cfg.ffn_dim)
         if cfg.mlp_act == "gelu_tanh":
             a = jax.nn.gelu(gu[:, :, 0], approximate=True) * gu[:, :, 1]
@@ -729,7 +745,7 @@ class Block(nnx.Module):
             a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
         h = _linear(a, self.w_down[...].astype(dt), cfg.cpu_kernels)
         if cfg.sandwich_norm:
-            h = rms_norm(h, self.post_mlp_norm[...], eps, off)
+            h = rms_norm(h, self.post_mlp_norm[...], eps, off, ck)
         x = x + h
         x = constrain(x, ("batch", None, "embed"))
         return x, k_all, v_all
@@ -844,7 +860,7 @@ class Llama(nnx.Module):
                 else:
                     x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin, None, tv)
 
-        x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset)
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset, cfg.cpu_kernels)
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
         x2 = x.reshape(B * T, -1)
         if use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only

@@ -369,7 +369,7 @@ class RoundStats:
             accepted=self.accepted + jnp.where(active, num_accepted, 0),
             reached_pos=self.reached_pos + reached.astype(jnp.int32),
             accepted_pos=self.accepted_pos + acc.astype(jnp.int32),
-            alpha_sum=self.alpha_sum + jnp.sum(jnp.where(reached, alpha, 0.0), axis=1),
+            alpha_sum=self.alpha_sum + sampling.row_sum(jnp.where(reached, alpha, 0.0)),
             alpha_n=self.alpha_n + jnp.sum(reached.astype(jnp.int32), axis=1),
         )
 

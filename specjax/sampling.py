@@ -330,7 +330,7 @@ def _bisect_threshold(z, mass, target, lo, hi):
         mid = lo + (hi - lo) // 2
         above = z > _from_ordered_key(mid)[:, None]
         s = (jnp.sum(above, axis=-1, dtype=jnp.int32) if mass is None
-             else jnp.sum(jnp.where(above, mass, 0.0), axis=-1))
+             else row_sum(jnp.where(above, mass, 0.0)))
         ok = s < target
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
@@ -348,9 +348,33 @@ def _mass_above(c, pc):
     return jnp.take_along_axis(excl, start, axis=-1)
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in a fixed pairwise order that depends only on its length
+    (elementwise adds of halves), so a row's sum does not depend on how many rows there
+    are: XLA's reduce picks its summation order, hence the bits, from the whole shape (on
+    CPU a row's log-softmax or overlap alpha changed with the batch size)."""
+    n = x.shape[-1]
+    while n > 1:
+        h = n // 2
+        s = x[..., :h] + x[..., h:2 * h]
+        x = jnp.concatenate([s, x[..., 2 * h:]], axis=-1) if n % 2 else s
+        n = h + n % 2
+    return x[..., 0]
+
+
+def logsumexp(x: jax.Array) -> jax.Array:
+    """``log sum exp(x)`` over the last axis (in ``x``'s dtype) with :func:`row_sum`'s
+    batch-independent order; rows of -inf give -inf, +inf gives +inf, NaN stays NaN (as
+    jax.nn.logsumexp)."""
+    x = jnp.asarray(x)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    return jnp.log(row_sum(jnp.exp(x - m))) + m[..., 0]
+
+
 def _log_mass(z):
     """log sum exp(z) over the last axis, for rows whose maximum is 0 (or all -inf)."""
-    return jnp.log(jnp.sum(jnp.exp(z), axis=-1))
+    return jnp.log(row_sum(jnp.exp(z)))
 
 
 def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):

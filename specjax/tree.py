@@ -66,7 +66,7 @@ import numpy as np
 
 from specjax import keys as _keys
 from specjax import verify as _verify
-from specjax.sampling import sample
+from specjax.sampling import logsumexp, sample
 
 __all__ = [
     "ROOT", "CANDIDATES", "DraftTree", "TreeVerifyResult", "TreeLaw",
@@ -207,7 +207,7 @@ def contexts(root, node):
 # --------------------------------------------------------------------------------------
 
 def _lse(x):
-    return jax.nn.logsumexp(x, axis=-1)
+    return logsumexp(x)
 
 
 def _drop(row, x):
@@ -248,7 +248,7 @@ def tree_step(candidates: str) -> Callable:
 
 
 def _normalize(lw):
-    m = jax.nn.logsumexp(lw, axis=-1, keepdims=True)
+    m = logsumexp(lw)[..., None]
     return jnp.where(m > -jnp.inf, lw - m, lw)
 
 

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import keys as _keys
-from specjax.sampling import sample
+from specjax.sampling import logsumexp, row_sum, sample
 
 __all__ = [
     "PAD_ID", "VerifyResult", "RoundLaw", "token_verify", "block_verify", "greedy_verify",
@@ -166,8 +166,7 @@ def block_log_stop(log_w, draft_logprobs, target_logprobs, num_draft):
     k = draft_logprobs.shape[0]
     t = jnp.arange(k + 1)
     # r_t for t = 1..K-1 uses p_{t+1}, q_{t+1} = rows t of the inputs.
-    log_r = jax.nn.logsumexp(
-        log_residual(target_logprobs[1:k], draft_logprobs[1:k], log_w[1:k, None]), axis=-1)
+    log_r = logsumexp(log_residual(target_logprobs[1:k], draft_logprobs[1:k], log_w[1:k, None]))
     log_r = jnp.concatenate([jnp.zeros((1,), log_w.dtype), log_r,
                              jnp.zeros((1,), log_w.dtype)])
     # w_t = 1 gives h_t = 1 (r / r, or the limit at 0 / 0); otherwise 1 - w_t > 0.
@@ -199,7 +198,7 @@ def validate_inputs(draft_tokens, draft_logprobs, target_logprobs, num_draft):
 
 
 def _normalize(lw):
-    return lw - jax.nn.logsumexp(lw, axis=-1, keepdims=True)
+    return lw - logsumexp(lw)[..., None]
 
 
 def emission_table(draft_logprobs, target_logprobs, log_w, num_draft):
@@ -364,7 +363,7 @@ def overlap_alpha(draft_logprobs, target_logprobs) -> jax.Array:
     of one token-level proposal."""
     lq = jnp.asarray(draft_logprobs, jnp.float32)
     lp = jnp.asarray(target_logprobs, jnp.float32)
-    return jnp.sum(jnp.exp(jnp.minimum(lp, lq)), axis=-1)
+    return row_sum(jnp.exp(jnp.minimum(lp, lq)))  # in an order independent of the batch
 
 
 def expected_tokens_per_round(alphas, k=None) -> jax.Array:

@@ -25,7 +25,7 @@ def _ref(x, w):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 16, 37, 64])
-@pytest.mark.parametrize("k,n", [(1, 64), (7, 192), (70, 128), (576, 960), (300, 4160)])
+@pytest.mark.parametrize("k,n", [(1, 64), (7, 192), (70, 128), (576, 960), (300, 4160), (40, 100)])
 def test_matches_float64_reference(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -60,11 +60,13 @@ def test_float16_weights_match_the_float64_product_of_their_values(m, k, n):
 
 def test_row_results_do_not_depend_on_the_batch():
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((13, 576), dtype=np.float32)
+    x = rng.standard_normal((40, 576), dtype=np.float32)
     w = rng.standard_normal((576, 1536), dtype=np.float32)
     f = jax.jit(ck.small_matmul)
-    full = np.asarray(f(x, w))
-    for i in (0, 5, 6, 12):  # first / inside / start of a second register group / last
+    full = np.asarray(f(x, w))  # 40 rows: the many-row path
+    small = np.asarray(f(x[:13], w))  # the small-M path
+    np.testing.assert_array_equal(small, full[:13])
+    for i in (0, 5, 6, 12, 17, 39):  # first / inside / start of a second register group / last
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
     np.testing.assert_array_equal(np.asarray(f(x[3:9], w)), full[3:9])
 
@@ -104,8 +106,9 @@ def test_choice_only_where_it_applies():
     assert ck.use_small_matmul("auto", f32(5, 64), f32(64, 128))
     assert ck.use_small_matmul("kernel", f32(ck.MAX_ROWS, 8), f32(8, 64))
     assert not ck.use_small_matmul("xla", f32(5, 64), f32(64, 128))
-    assert not ck.use_small_matmul("auto", f32(ck.MAX_ROWS + 1, 64), f32(64, 128))
-    assert not ck.use_small_matmul("auto", f32(5, 64), f32(64, 100))  # N % 64
+    # any M (above MAX_ROWS the kernel's many-row path, same sums) and any N (zero-padded)
+    assert ck.use_small_matmul("auto", f32(ck.MAX_ROWS + 1, 64), f32(64, 128))
+    assert ck.use_small_matmul("auto", f32(5, 64), f32(64, 100))
     assert not ck.use_small_matmul("auto", jnp.zeros((5, 64), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="cpu_kernels mode"):
         ck.use_small_matmul("fast", f32(5, 64), f32(64, 128))

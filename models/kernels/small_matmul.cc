@@ -1,5 +1,5 @@
-// specjax small-M float32 matmul for XLA CPU: y[M, N] = x[M, K] @ w[K, N] for small M (any M works;
-// models/cpu_kernels.py uses it up to MAX_ROWS, where XLA's packed GEMM starts to win).
+// specjax float32 matmul for XLA CPU: y[M, N] = x[M, K] @ w[K, N], built for small M (decode and
+// verification steps); above kMaxSmallRows rows BigJob below does the same sums by panels.
 //
 // Why: XLA's CPU backend runs a 1-row matmul as a streaming matrix-vector loop, but 2..9
 // rows as a packed GEMM that reads the weights at ~2/3 of memory bandwidth, so a 5-token
@@ -14,8 +14,9 @@
 //     unit keeps up to kMaxRows x 64 accumulators in vector registers (7..9 rows: 32-column
 //     units, one pass), and the row tile
 //     kPrefetchRows ahead is prefetched so memory traffic overlaps the FMAs.
-// The per-element accumulation order depends only on K and the thread count, never on M
-// or on the other rows, so a row's result does not depend on the batch it sits in.
+// The per-element accumulation order depends only on K, N and the thread count, never on M
+// or on the other rows (BigJob keeps it), so a row's result does not depend on the batch it
+// sits in, bit for bit.
 // Vectors are GCC vector extensions (AVX-512 with -march=native where present, else what
 // the CPU has). Built on first use by models/cpu_kernels.py.
 // Weights may also be float16 (SpecjaxSmallMatmulF16: x and y stay float32, each weight
@@ -144,6 +145,50 @@ struct Job {
 
 };
 
+// Many rows (M > kMaxSmallRows): the same sums as Job, element by element, but split by
+// 64-column units and blocks of rows instead of K ranges. Streaming the weights once no
+// longer pays when there are many rows (the FMAs dominate), and Job's partial y arrays
+// ([M, N] per K range) would not fit in any cache. Here a task copies one 64-column panel
+// of w into a contiguous buffer (read kRowBlockGroups groups of rows times from L1/L2) and,
+// for each group of rows, runs the same Micro over each K range [k0, k1) of Job (from zero,
+// in the same order) and adds the ranges' results in the same order (y = p0 + p1 + ...).
+// Hence a row's result is bit-identical whichever path, and whatever M, computes it.
+constexpr int64_t kMaxSmallRows = 16;   // Job (weights streamed once) up to this many rows
+constexpr int64_t kRowBlockGroups = 32;  // groups of kMaxRows rows per task
+
+template <class W>
+struct BigJob {
+  const W* w = nullptr;
+  const float* xt = nullptr;  // [groups][K][kMaxRows]
+  float* y = nullptr;
+  int64_t m = 0, k = 0, n = 0, chunks = 0, groups = 0, row_blocks = 0;
+
+  void Task(int64_t task) const {
+    const int64_t u = (task / row_blocks) * 64, rb = task % row_blocks;
+    const int64_t g0 = rb * kRowBlockGroups, g1 = g0 + kRowBlockGroups < groups ? g0 + kRowBlockGroups : groups;
+    thread_local std::vector<W> panel;
+    panel.resize(k * 64);
+    for (int64_t r = 0; r < k; ++r) std::memcpy(panel.data() + r * 64, w + r * n + u, 64 * sizeof(W));
+    alignas(64) float tmp[kMaxRows * 64];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int tm = static_cast<int>(m - g * kMaxRows < kMaxRows ? m - g * kMaxRows : kMaxRows);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = k * c / chunks, k1 = k * (c + 1) / chunks;
+        MicroUpTo<4, kMaxRows>(tm, xt + (g * k + k0) * kMaxRows, kMaxRows, panel.data() + k0 * 64, k1 - k0, 64,
+                               tmp, true);
+        for (int t = 0; t < tm; ++t) {
+          float* yr = y + (g * kMaxRows + t) * n + u;
+          const float* pr = tmp + t * 64;
+          if (c == 0)
+            std::memcpy(yr, pr, 64 * sizeof(float));
+          else
+            for (int i = 0; i < 64; ++i) yr[i] += pr[i];
+        }
+      }
+    }
+  }
+};
+
 template <ffi::DataType WT, class W>
 ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                            ffi::ResultBuffer<ffi::F32> y) {
@@ -156,6 +201,35 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     if (!kHaveF16) return ffi::Error::InvalidArgument("specjax small_matmul: float16 weights need F16C");
   }
   const int64_t m = xd[0], k = xd[1], n = wd[1];
+  int64_t threads = pool.num_threads();
+  if (threads < 1) threads = 1;
+  // The K ranges: their number depends only on N, K and the thread count (never on M), and
+  // both paths below sum each range from zero and add the ranges in order.
+  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
+  int64_t chunks = col_blocks >= 2 * threads ? threads : 2 * threads;
+  if (chunks > kMaxChunks) chunks = kMaxChunks;
+  while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
+
+  thread_local std::vector<float> xt_buf, partial_buf;
+  const float* xp = x.typed_data();
+  if (m > kMaxSmallRows) {
+    const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+    xt_buf.assign(groups * k * kMaxRows, 0.f);
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t i = 0; i < k; ++i) xt_buf[((t / kMaxRows) * k + i) * kMaxRows + t % kMaxRows] = xp[t * k + i];
+    BigJob<W> job;
+    job.w = reinterpret_cast<const W*>(w.typed_data());
+    job.xt = xt_buf.data();
+    job.y = y->typed_data();
+    job.m = m;
+    job.k = k;
+    job.n = n;
+    job.chunks = chunks;
+    job.groups = groups;
+    job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
+    RunTasks(pool, (n / 64) * job.row_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
+    return ffi::Error::Success();
+  }
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
   // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on a 12-row narrow block
@@ -165,21 +239,13 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
   // a claimed task, and the caller waits for every task to finish.
-  thread_local std::vector<float> xt_buf, partial_buf;
   xt_buf.assign(groups * k * gr, 0.f);
-  const float* xp = x.typed_data();
   for (int64_t t = 0; t < m; ++t)
     for (int64_t i = 0; i < k; ++i) xt_buf[((t / gr) * k + i) * gr + t % gr] = xp[t * k + i];
 
-  int64_t threads = pool.num_threads();
-  if (threads < 1) threads = 1;
   // Work is split into tasks that threads claim as they come (a late-starting helper then
   // costs little): wide matrices by column blocks of one row range per thread, narrow ones
   // (one column block) by two row ranges per thread.
-  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
-  int64_t chunks = col_blocks >= 2 * threads ? threads : 2 * threads;
-  if (chunks > kMaxChunks) chunks = kMaxChunks;
-  while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
 
   Job<W> job;
   job.w = reinterpret_cast<const W*>(w.typed_data());
