@@ -350,15 +350,19 @@ def _mass_above(c, pc):
 
 def row_sum(x: jax.Array) -> jax.Array:
     """Sum over the last axis in a fixed pairwise order that depends only on its length
-    (elementwise adds of halves), so a row's sum does not depend on how many rows there
+    (elementwise adds of neighbouring pairs, level by level), so a row's sum does not depend on how many rows there
     are: XLA's reduce picks its summation order, hence the bits, from the whole shape (on
     CPU a row's log-softmax or overlap alpha changed with the batch size)."""
+    # neighbours first (x[2i] + x[2i+1], via a reshape): a vocabulary sharded in contiguous
+    # blocks keeps every level inside its shards until the blocks are a few entries long
+    # (halves of the whole axis would move half of every shard to another device)
     n = x.shape[-1]
     while n > 1:
-        h = n // 2
-        s = x[..., :h] + x[..., h:2 * h]
-        x = jnp.concatenate([s, x[..., 2 * h:]], axis=-1) if n % 2 else s
-        n = h + n % 2
+        even = n - n % 2
+        pairs = x[..., :even].reshape(x.shape[:-1] + (even // 2, 2))
+        s = pairs[..., 0] + pairs[..., 1]
+        x = jnp.concatenate([s, x[..., even:]], axis=-1) if n % 2 else s
+        n = x.shape[-1]
     return x[..., 0]
 
 

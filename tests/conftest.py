@@ -17,3 +17,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "real_model" in item.keywords and not have_model:
             item.add_marker(skip)
+
+
+# The small models of the engine law tests (V = 8, so every 4-token continuation can be
+# enumerated): one target and one draft model, shared by the modules that use them.
+LAW_V = 8
+
+
+@pytest.fixture(scope="session")
+def target():
+    from specjax.models.llama import LlamaLM, tiny_config
+
+    return LlamaLM.init(tiny_config(vocab_size=LAW_V, n_layers=2), seed=11)
+
+
+@pytest.fixture(scope="session")
+def draft():
+    from specjax.models.llama import LlamaLM, tiny_config
+
+    return LlamaLM.init(tiny_config(vocab_size=LAW_V, n_layers=1), seed=22)

@@ -22,16 +22,6 @@ ALPHA_SIG = 1e-3
 K = 2
 
 
-@pytest.fixture(scope="module")
-def target():
-    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22)
-
-
 class _Cycle(engine.SpeculativeEngine):
     """Each row drafts (gen_len + prompt length) mod (K+1) tokens: j changes every round,
     rows of a batch differ, plain rounds (j = 0 for every row) happen; history only."""

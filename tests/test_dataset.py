@@ -8,15 +8,13 @@ import pytest
 
 from specjax import engine, sampling
 from specjax.drafts import DraftModelProposer
-from specjax.models.llama import LlamaLM, tiny_config
 
 V = 8
 
 
 @pytest.fixture(scope="module")
-def models():
-    return (LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11),
-            LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22))
+def models(target, draft):  # the law-test models (tests/conftest.py)
+    return target, draft
 
 
 def _dataset(n=11, seed=0):

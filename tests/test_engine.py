@@ -26,16 +26,6 @@ ROWS = 100_000
 ALPHA_SIG = 1e-3  # a correct engine fails a single test with this probability
 
 
-@pytest.fixture(scope="module")
-def target():
-    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22)
-
-
 PROMPT = [1, 5, 2]
 
 

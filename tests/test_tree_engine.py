@@ -27,16 +27,6 @@ CFG = sampling.SamplingConfig(temperature=0.9, repetition_penalty=1.8, presence_
 
 
 @pytest.fixture(scope="module")
-def target():
-    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=22)
-
-
-@pytest.fixture(scope="module")
 def law(target):
     law = exact_chain_law(target, PROMPT, N_TOK, CFG)
     assert abs(law.sum() - 1) < 1e-5
