@@ -23,10 +23,10 @@ import numpy as np
 V = 4096  # > 256 * 8: the top-m candidates of 8 vocabulary shards are fewer than V
 K = 3
 MAX_NEW = 16
-PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [3, 3, 3, 3], [5, 6],
-           [7, 1, 2]]  # 6 rows: padded to 8 on the 8x1 mesh
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [3, 3, 3, 3],
+           [7, 1, 2]]  # 5 rows: padded to 6 on the 2x4 mesh (data axis 2)
 # mesh -> sharding config (the draft replicated over `model` or sharded like the target)
-MESHES = {"1x8": "tp_draft_sharded", "2x4": "tp", "8x1": "tp"}
+MESHES = {"1x8": "tp_draft_sharded", "2x4": "tp"}
 METHODS = ("greedy", "token", "block")
 AR_MESH = "2x4"
 
@@ -102,7 +102,7 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
         return {"tokens": out.tokens, "stopped": out.finished_by_stop,
                 "accepted": None if out.stats is None else [s.accepted for s in out.stats]}
 
-    toks8 = np.array([(p * 4)[:8] for p in PROMPTS] + [[1] * 8, [2] * 8], np.int32)
+    toks8 = np.array([(p * 4)[:8] for p in PROMPTS] + [[j + 1] * 8 for j in range(8 - len(PROMPTS))], np.int32)
     fwd = jax.jit(lambda p, t: target.apply(p, t, target.init_cache(8, 16)).logits)
     ref_logits = np.asarray(fwd(target.params, toks8))
 
@@ -115,7 +115,7 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
             PROMPTS, keys=keys, sampling_params=sp["token"], max_new_tokens=MAX_NEW))
         res["timings"]["single_device"] = round(time.time() - t0, 1)
         # build(): a whole run from names, on one device and on the 8-device "tp" mesh
-        # (a draft model from the target's first layer; 6 rows padded to the data axis)
+        # (a draft model from the target's first layer; 5 rows padded to the data axis)
         runs = {}
         for mesh in (None, "tp"):
             spec = build.RunSpec(target="tiny", draft="layers:1", k=2, mesh=mesh,

@@ -101,7 +101,7 @@ def test_ctrl_c_exits_at_once_with_130_in_every_phase():
 
     for phase in ("loading the model", "compiling the speculative program", "generating"):
         p = subprocess.Popen([sys.executable, "-m", "specjax", "generate", "Tell me a long story.",
-                              "--max-new-tokens", "256"],
+                              "--max-new-tokens", "256", "--k", "3"],  # (K auto: a longer compile)
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         seen = []
         for line in p.stderr:
@@ -129,8 +129,10 @@ def test_prompt_longer_than_context_and_real_run(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and "context" in res.stderr, res.stderr[-2000:]
 
+    # a fixed K (k="auto" compiles four round programs and measures costs: the tiny-model
+    # CLI tests and tests/test_adaptive.py cover it)
     res = subprocess.run([sys.executable, "-m", "specjax", "generate", "What is 2+2?", "--max-new-tokens", "24",
-                          "--method", "greedy", "--json", "--compare", "--repeats", "2"],
+                          "--method", "greedy", "--json", "--compare", "--repeats", "2", "--k", "3"],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout)

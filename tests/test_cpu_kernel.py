@@ -169,28 +169,6 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path)
 
 
-def test_engine_rows_do_not_depend_on_the_batch_with_the_kernel():
-    """The row-independence test of test_engine.py, on a model whose matmuls go through
-    the kernel (the tiny engine-test models are too narrow for it)."""
-    from specjax import build, engine, sampling
-
-    def mk(seed, layers):
-        return LlamaLM.init(tiny_config(vocab_size=128, n_layers=layers, dim=64, n_heads=4, n_kv_heads=2,
-                                        head_dim=16, ffn_dim=128), seed=seed)
-
-    target, draft = mk(11, 2), mk(22, 1)
-    cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 1.0], top_p=[1.0, 0.9, 1.0])
-    prompts = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1], [2, 2]]
-    batch = build.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
-                            sampling_params=cfg, max_new_tokens=20)
-    for i in range(3):
-        one = sampling.SamplingParams.create(1, temperature=[float(cfg.temperature[i])],
-                                             top_p=[float(cfg.top_p[i])])
-        alone = build.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
-                                sampling_params=one, max_new_tokens=20)
-        assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
-
-
 # the last four run multi-threaded (above the kernel's kMinParallelFlops), the first of
 # them with each head's rows split into parts; H = 128 / 32 / 48 reach the other PV paths
 @pytest.mark.parametrize("B,T,G,H,S", [(1, 1, 3, 64, 300), (1, 5, 3, 64, 300), (3, 4, 2, 16, 40), (2, 9, 1, 8, 17),

@@ -2,8 +2,9 @@
 in subprocesses: ``tests/sharding_worker.py`` and ``scripts/dry_run.py``).
 
 The multi-device subprocesses start together (module fixture) and run concurrently:
-worker A = single-device references + mesh 2x4, worker B = meshes 1x8 and 8x1, plus the
-dry run of a small pod config. They use ``--xla_backend_optimization_level=0`` (compile
+worker A = single-device references + mesh 2x4, worker B = mesh 1x8, plus the dry run of
+a small pod config. (Pure data parallelism, 8x1, was dropped for CI time: 2x4 pads rows
+to its data axis too, and the dry run shards rows over data.) They use ``--xla_backend_optimization_level=0`` (compile
 time); the single-device reference and the sharded runs compile with the same flags.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from specjax import sharding as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("greedy", "token", "block")
-MESHES = ("1x8", "2x4", "8x1")
+MESHES = ("1x8", "2x4")
 
 
 # ------------------------------------------------------------------ configs and rules (1 device)
@@ -122,7 +123,7 @@ def multi(tmp_path_factory):
     jobs = {
         "a": [sys.executable, "-m", "tests.sharding_worker", str(d / "a.json"), "--meshes", "2x4",
               "--refs"],
-        "b": [sys.executable, "-m", "tests.sharding_worker", str(d / "b.json"), "--meshes", "1x8,8x1"],
+        "b": [sys.executable, "-m", "tests.sharding_worker", str(d / "b.json"), "--meshes", "1x8"],
         "dry": [sys.executable, "scripts/dry_run.py", "ci-small_cpu-8", "--json"],
     }
     t0 = time.time()
@@ -242,17 +243,11 @@ def test_parameter_shardings_follow_rules(multi, mesh):
 def test_verification_never_gathers_the_vocabulary(multi, mesh, method):
     """Compiled HLO of the whole sharded program: no all-gather produces a [.., V] array;
     the normalisers, maxima and sums of sampling/verification are all-reduces of small
-    arrays. With model=1 the vocabulary is not split; there the rare bisection path of
-    top-k/top-p gathers its (<= 8) rows across `data` with an all-reduce, allowed below."""
+    arrays."""
     h = _case(multi, mesh)[method]["hlo"]
-    gathers = [b for b in h["full_vocab"] if b.startswith("all-gather")]
-    assert not gathers, "\n".join(gathers)
-    if mesh != "8x1":
-        assert not h["full_vocab"], "\n".join(h["full_vocab"])
-        for op in ("reduce_max", "reduce_sum", "reduce_min"):
-            assert op in h["all_reduce_ops"], (op, h["all_reduce_ops"])
-    else:
-        assert all("/while/body/gather" in b for b in h["full_vocab"]), h["full_vocab"]
+    assert not h["full_vocab"], "\n".join(h["full_vocab"])
+    for op in ("reduce_max", "reduce_sum", "reduce_min"):
+        assert op in h["all_reduce_ops"], (op, h["all_reduce_ops"])
 
 
 @pytest.mark.multidevice
