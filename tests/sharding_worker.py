@@ -87,11 +87,11 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
     sp = {
         "greedy": sampling.SamplingParams.create(b),
         "token": sampling.SamplingParams.create(
-            b, temperature=[1.0, 0.8, 0.0, 1.0, 1.3, 0.7], top_k=[0, 40, 0, 0, 0, 300],
-            top_p=[1.0, 1.0, 1.0, 0.9, 1.0, 0.95], min_p=[0, 0, 0, 0, 0.02, 0]),
+            b, temperature=[1.0, 0.8, 0.0, 1.3, 0.7], top_k=[0, 40, 0, 0, 300],
+            top_p=[1.0, 1.0, 1.0, 1.0, 0.95], min_p=[0, 0, 0, 0.02, 0]),
         "block": sampling.SamplingParams.create(
-            b, temperature=[1.0, 0.9, 1.0, 0.0, 1.1, 1.0], top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.8],
-            repetition_penalty=[1.0, 1.0, 1.3, 1.0, 1.0, 1.0]),
+            b, temperature=[1.0, 0.9, 1.0, 0.0, 1.0], top_p=[1.0, 0.9, 1.0, 1.0, 0.8],
+            repetition_penalty=[1.0, 1.0, 1.3, 1.0, 1.0]),
     }
     keys = jax.random.split(jax.random.key(1234), b)
 

@@ -93,37 +93,6 @@ def test_bench_configs_load(tmp_path):
         load_bench_config(str(bad))
 
 
-def test_benchmark_quick_tiny_eagle_draft(tmp_path):
-    """A trained-draft file (.npz, an EAGLE head) runs through the benchmark: its cost is timed
-    through its propose step and it is measured like any other draft."""
-    from specjax.build import load_target, resolve_draft
-    from specjax.drafts.files import save_draft
-    from specjax.models.eagle import EagleConfig, EagleModel
-
-    tgt, _, _ = load_target("tiny")
-    cfg = EagleConfig.for_target(tgt.config, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64)
-    em = EagleModel.for_target(tgt, cfg, seed=3)
-    path = tmp_path / "eagle.npz"
-    save_draft(str(path), "eagle", em.config.to_dict(), em.trainable_weights())
-    draft, desc = resolve_draft(str(path), tgt)
-    assert isinstance(draft, EagleModel) and desc["kind"] == "eagle"
-
-    out = tmp_path / "bench"
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--model", "tiny",
-           "--draft", str(path), "--ks", "2", "--methods", "token", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((out / "benchmark.json").read_text())
-    assert res["draft"]["kind"] == "eagle" and res["draft"]["params"] > 0
-    sc = res["step_costs"]["1"]
-    assert _finite(sc["c"]["2"]) and sc["c"]["2"] > 0 and "t_draft_ms" not in sc
-    (r,) = res["speculative"]
-    assert r["method"] == "token" and r["k"] == 2 and _finite(r["speedup"]["median"])
-    assert 0.0 <= r["mean_alpha"] <= 1.0 and r["tokens_per_round"] >= 1.0
-    assert res["peer"]["available"] is False
-
-
 def test_profile_round_tiny(tmp_path):
     """scripts/profile_round.py splits the traced operations into loop-body and per-call
     ones: the loop runs once per round (speculative) or per token (autoregressive)."""

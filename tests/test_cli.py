@@ -167,7 +167,7 @@ def test_hf_folder_model_streams_the_same_text_as_printed_at_the_end(hf_folder, 
     """--model takes an HF folder (its tokenizer and recommended sampling); the streamed text
     is the text printed without streaming, and the summary says where the settings came from."""
     argv = ["generate", "Tell me a story", "--model", str(hf_folder), "--max-new-tokens", "24",
-            "--min-new-tokens", "24", "--seed", "5", "--temperature", "5"]
+            "--min-new-tokens", "24", "--seed", "5", "--temperature", "5", "--k", "2"]
     texts = []
     for extra in ([], ["--no-stream"]):
         assert cli.main(argv + extra) == 0
@@ -176,7 +176,6 @@ def test_hf_folder_model_streams_the_same_text_as_printed_at_the_end(hf_folder, 
         texts.append(text)
         assert "temperature 5 (flag), top-p 0.95 (model), top-k 0 (default)" in summary
         assert "controls: min_new_tokens=24" in summary
-        assert "verification, K=auto (rounds by draft tokens: " in summary
     assert texts[0] == texts[1] and texts[0].strip()
     assert "\ufffd" not in texts[0][-2:]  # no broken character at the end
 
@@ -220,7 +219,7 @@ def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, 
 
     monkeypatch.setattr(engine._Sharded, "_executable", executable)
     assert cli.main(["generate", "hi", "--model", str(hf_folder), "--max-new-tokens", "8",
-                     "--compare", "--repeats", "2"]) == 0
+                     "--compare", "--repeats", "2", "--k", "2"]) == 0
     assert "speedup over autoregressive" in capsys.readouterr().out
     first_pass = events.index(("progress", "timing pass 1/2"))
     assert ("compiled", "_advance") in events[:first_pass]  # the streamed generation
@@ -240,3 +239,5 @@ def test_prompts_file_is_a_dataset_run(hf_folder, tmp_path, capsys):
     assert report["prompts"] == ["one", "two two", "three three three"] and len(report["texts"]) == 3
     assert report["dataset"] == {"batch_size": 2, "inserts": 1, "loop_iterations": report["dataset"]["loop_iterations"]}
     assert report["k"] == "auto" and sum(report["speculative"]["rounds_by_draft_tokens"]) > 0
+    assert cli.main(argv + ["--no-stream"]) == 0  # the text summary of k=auto (costs saved: no measuring)
+    assert "verification, K=auto (rounds by draft tokens: " in capsys.readouterr().out

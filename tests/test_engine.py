@@ -300,26 +300,6 @@ def test_always_drafts_changes_speed_only(target, draft):
 # ------------------------------------------------- batch invariance and determinism
 
 
-def test_row_output_independent_of_batch(target, draft):
-    cfg = sampling.SamplingParams.create(3, temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0])
-    prompts = [[1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 1], [2, 2]]
-    batch = build.generate(target, draft, prompts, k=3, seed=42, row_indices=[10, 11, 12],
-                            sampling_params=cfg, max_new_tokens=25)
-    for i in range(3):
-        one = sampling.SamplingParams.create(
-            1, temperature=[float(cfg.temperature[i])], top_p=[float(cfg.top_p[i])])
-        alone = build.generate(target, draft, [prompts[i]], k=3, seed=42, row_indices=[10 + i],
-                                sampling_params=one, max_new_tokens=25)
-        assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
-    # the same rows in another order
-    perm = [2, 0, 1]
-    cfgp = sampling.SamplingParams.create(3, temperature=[float(cfg.temperature[j]) for j in perm],
-                                          top_p=[float(cfg.top_p[j]) for j in perm])
-    shuffled = build.generate(target, draft, [prompts[j] for j in perm], k=3, seed=42,
-                               row_indices=[10 + j for j in perm], sampling_params=cfgp, max_new_tokens=25)
-    assert [shuffled.tokens[perm.index(i)] for i in range(3)] == batch.tokens
-
-
 _SUBPROCESS = textwrap.dedent("""
     import json
     from specjax.models.llama import LlamaLM, tiny_config
