@@ -600,7 +600,7 @@ class _Sharded:
             raise ValueError(f"batch_size must be an integer >= 1, got {b!r}")
         args, static = self._call_args(_batch_rows(full, range(b)), **static_opts)
         start, advance, finish = self._stream_executables(args, static)
-        one, _ = self._call_args(_batch_rows(full, [0]), **static_opts)
+        one = self._one_row_args(full, 0, static_opts)
         carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
         sig = ("_insert", str(jax.tree.structure(carry)),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(carry)),
@@ -612,6 +612,14 @@ class _Sharded:
                 self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len")
             ).lower(carry, one, np.int32(0), **static).compile()
         return args, (start, advance, finish, insert)
+
+    def _one_row_args(self, full: Batch, i: int, static_opts: dict) -> tuple:
+        """The arguments of ``_insert`` for dataset row ``i``. The prefill reads no costs:
+        an adaptive engine gets a placeholder table of the same shape, so that inserting
+        never measures costs at batch size 1."""
+        if getattr(self, "adaptive", False):
+            static_opts = dict(static_opts, costs=np.ones(self.k + 1))
+        return self._call_args(_batch_rows(full, [i]), **static_opts)[0]
 
     def _insert_program(self, carry, args_one, slot, *, out_cap, cache_len):
         """Prefill one prompt (``args_one``: :meth:`_call_args` of a one-row batch) and put
@@ -637,7 +645,7 @@ class _Sharded:
         slots = list(range(b))  # dataset row in each slot (None: idle, nothing left)
         nxt = b
         args, (start, advance, finish, insert) = self._dataset_executables(full, b, static_opts)
-        one_args = lambda i: self._call_args(_batch_rows(full, [i]), **static_opts)[0]  # noqa: E731
+        one_args = lambda i: self._one_row_args(full, i, static_opts)  # noqa: E731
         results: list = [None] * n
         inserts = 0
         with self._context():
