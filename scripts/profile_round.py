@@ -132,7 +132,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny, a .gguf or a preset")
     ap.add_argument("--draft", default="default", help="as scripts/benchmark.py --draft")
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--method", default="token", choices=["token", "block", "greedy"])
+    ap.add_argument("--method", default="token", choices=["token", "block", "greedy", "tree"])
+    ap.add_argument("--tree-topk", type=int, default=4, help="method tree: children per expanded node")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="method tree: nodes per tree (K is its depth)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", type=int, default=4, help="generate calls profiled (one prompt each)")
     ap.add_argument("--tokens", type=int, default=64)
@@ -150,7 +152,12 @@ def main(argv=None) -> dict:
     cfg = BenchConfig(num_prompts=a.prompts)
     _, ids = build_prompts(cfg, tok, target.vocab_size)
     sp = sampling.SamplingParams.create(1, temperature=a.temperature)
-    eng = make_engine(target, draft, a.k, a.method)
+    if a.method == "tree":
+        from specjax.drafts.trees import make_tree_proposer
+
+        eng = make_engine(target, make_tree_proposer(draft, a.tree_topk, a.k, a.tree_nodes), None, "tree")
+    else:
+        eng = make_engine(target, draft, a.k, a.method)
     rounds = []
 
     def spec(i):

@@ -1182,11 +1182,19 @@ class SpeculativeEngine(_Sharded):
                 tree, p_lp)
         cand = self.proposer.candidates
 
-        def rows(single):
-            return lambda _: jax.vmap(lambda kk, t, lp: _tree.tree_verify(
-                kk, t, lp[0], lp[1:], cand, max_depth=max_depth, single=single))(round_keys, tree, p_lp)
+        def sampled(_):
+            return jax.vmap(lambda kk, t, lp: _tree.tree_verify(
+                kk, t, lp[0], lp[1:], cand, max_depth=max_depth))(round_keys, tree, p_lp)
 
-        return jax.lax.cond(sampling.at_most_one_possible(p_lp), rows(True), rows(False), None)
+        def point_masses(_):
+            # every row of p is a point mass (greedy rows): any of the candidate rules
+            # accepts a child iff it is p's token, and the final draw is that token, so the
+            # result is the greedy descent's (specjax.tree.point_mass_target_verify), without
+            # the residual pass over the vocabulary at every node
+            return jax.vmap(lambda t, lp: _tree.point_mass_target_verify(
+                t, lp[0], lp[1:], max_depth=max_depth))(tree, p_lp)
+
+        return jax.lax.cond(sampling.at_most_one_possible(p_lp), point_masses, sampled, None)
 
     def _score(self, target_params, state: DecodeState, x, nd, tcache):
         """The target's forward over [s[c-1], x_1..x_K] -> (logits [B, K+1, V], final hidden

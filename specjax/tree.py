@@ -73,7 +73,7 @@ __all__ = [
     "full_tree_shape", "shape_depths", "make_tree", "chain_tree", "ancestor_mask",
     "tree_step", "tree_prepare", "tree_validate", "descend", "tree_finish", "assemble",
     "law_scan", "tree_law",
-    "tree_verify", "iid_tree_verify", "point_mass_tree_verify",
+    "tree_verify", "iid_tree_verify", "point_mass_tree_verify", "point_mass_target_verify",
     "without_replacement_tree_verify", "greedy_tree_verify", "contexts",
 ]
 
@@ -418,6 +418,22 @@ def point_mass_tree_verify(key, tree, p_root, p_node, *, max_depth=None, single=
     """:func:`tree_verify` with deterministic (e.g. top-k) candidates as point masses."""
     return tree_verify(key, tree, p_root, p_node, "point_mass", max_depth=max_depth,
                        single=single)
+
+
+def point_mass_target_verify(tree: DraftTree, p_root, p_node, *,
+                             max_depth: Optional[int] = None) -> TreeVerifyResult:
+    """:func:`tree_verify`'s result, for any ``candidates`` and key, when every used row of
+    the target's law is a point mass (greedy rows; the caller checks, e.g. with
+    :func:`specjax.sampling.at_most_one_possible`).
+
+    Why: with ``r = p`` a point mass at ``a``, a candidate ``x`` is accepted with
+    probability ``min(1, r(x)/q'(x))`` (or ``r(x)``) = 1 if ``x = a`` and 0 otherwise,
+    and after a rejection the residual is still the point mass at ``a``; the final draw
+    from it (or the bonus from p) is ``a``. So the descent takes the first child equal
+    to p's token, as :func:`greedy_tree_verify` does, with no residual pass over the
+    vocabulary. The error flag checks the structure and p; the draft law q cannot change
+    the result here and is not checked."""
+    return greedy_tree_verify(tree, p_root, p_node, max_depth=max_depth)
 
 
 # --------------------------------------------------------------------------------------

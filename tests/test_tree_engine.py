@@ -1,9 +1,13 @@
 """Draft trees through the engine: the exact law of whole generations (chi-square against
 the target's chain law, several rounds with rollback) for a tree grown by a tiny draft
-model, mutants the law test rejects (a wrong tree mask, the accepted path's KV left where
-it was), greedy trees equal autoregressive greedy decoding, a chain as a tree draws what
-the chain verifier draws, streaming and batch invariance."""
+model and for SAMPLED trees grown by an EAGLE head (i.i.d. and without-replacement
+candidates, a reduced-vocabulary head), mutants the law test rejects (a wrong tree mask,
+the accepted path's KV left where it was, siblings drawn without replacement but verified
+as i.i.d.), greedy trees equal autoregressive greedy decoding, a chain as a tree draws
+what the chain verifier draws, streaming and batch invariance."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +41,29 @@ def _tree(draft):
     return DraftModelTreeProposer(model=draft, topk=2, depth=2, nodes=4)
 
 
+def _eagle(target, subset=0):
+    cfg = EagleConfig.for_target(target.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32,
+                                 vocab_subset=subset)
+    tm = np.array([0, 2, 3, 5, 6, 7]) if subset else None
+    return EagleModel.for_target(target, cfg, token_map=tm, seed=3)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DrawnWithoutReplacementVerifiedIid(EagleTreeProposer):
+    """Siblings drawn without replacement, verified with the i.i.d. rule."""
+
+    def draw_rule(self):
+        return "without_replacement"
+
+
+def _sampled(target, variant):
+    if variant == "eagle_without_replacement_subset":
+        return EagleTreeProposer(model=_eagle(target, 6), candidates="without_replacement", branching=(3, 2))
+    if variant == "eagle_iid":
+        return EagleTreeProposer(model=_eagle(target), candidates="iid", branching=(2, 2))
+    return _DrawnWithoutReplacementVerifiedIid(model=_eagle(target), candidates="iid", branching=(3, 1))
+
+
 class _CausalTreeMask(engine.SpeculativeEngine):
     """Every node attends to every earlier node (a chain's mask), not to its ancestors only."""
 
@@ -63,14 +90,20 @@ def _hist(eng):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["tree", "tree_mutant_causal_mask", "tree_mutant_path_not_moved"])
+@pytest.mark.parametrize("variant", ["tree", "tree_mutant_causal_mask", "tree_mutant_path_not_moved",
+                                     "eagle_without_replacement_subset", "eagle_iid",
+                                     "eagle_mutant_without_replacement_as_iid"])
 def test_tree_engine_law(target, draft, law, variant):
-    cls = {"tree": engine.SpeculativeEngine, "tree_mutant_causal_mask": _CausalTreeMask,
-           "tree_mutant_path_not_moved": _PathNotMoved}[variant]
-    hist, stats = _hist(cls(target, _tree(draft), "tree"))
+    if variant.startswith("eagle"):
+        eng = engine.SpeculativeEngine(target, _sampled(target, variant), "tree")
+    else:
+        cls = {"tree": engine.SpeculativeEngine, "tree_mutant_causal_mask": _CausalTreeMask,
+               "tree_mutant_path_not_moved": _PathNotMoved}[variant]
+        eng = cls(target, _tree(draft), "tree")
+    hist, stats = _hist(eng)
     chi = chi_square_test(hist, law)
     print(f"{variant}: chi-square {chi.statistic:.1f}, p={chi.p_value:.3e}")
-    if variant == "tree":
+    if "mutant" not in variant:
         # the tree did its work: paths of depth 2 were accepted, not only first children
         assert np.mean([s.accepted / s.rounds for s in stats[:500]]) > 0.3
         assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
@@ -135,3 +168,9 @@ def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain():
                                     "greedy").generate(PROMPTS, **kw)
     assert chain.tokens == top1.tokens  # the chain's are the autoregressive ones
     assert [s.rounds for s in top1.stats] == [s.rounds for s in chain.stats]
+    # a sampled-tree proposer in a greedy call grows the top-k tree, verified by the
+    # argmax (the engine's point-mass fast path) under method "tree"
+    hybrid = EagleTreeProposer(model=em, topk=3, depth=3, nodes=8, candidates="without_replacement")
+    out = engine.SpeculativeEngine(tgt, hybrid, "tree").generate(PROMPTS, **kw)
+    assert out.tokens == chain.tokens
+    assert sum(s.accepted for s in out.stats) > 0

@@ -312,6 +312,33 @@ def _random_trees(seed, rows, v=VOCAB, shape=(2, 2)):
     return tree, p
 
 
+def test_point_mass_target_fast_path_equals_every_sampler():
+    """When every row of p is a point mass (greedy rows), the engine's fast path
+    (point_mass_target_verify: a greedy descent, no residual pass) gives what each
+    sampler gives, for any key; and it accepts something."""
+    rows = 256
+    tree, p = _random_trees(3, rows)
+    v = p.shape[-1]
+    rng = np.random.default_rng(5)
+    top = rng.integers(0, v, size=p.shape[:2])
+    # half the tree tokens are p's token at their context, so that paths get accepted
+    ctx = np.asarray(tree.parent) + 1
+    tok = np.asarray(tree.tokens).copy()
+    hit = rng.random(tok.shape) < 0.5
+    tok[hit] = np.take_along_axis(top, ctx, axis=1)[hit]
+    tree = tree._replace(tokens=jnp.asarray(tok))
+    # q must allow the token for the i.i.d. rule's validation: q > 0 everywhere here
+    point = np.where(np.arange(v) == top[..., None], 0.0, -np.inf).astype(np.float32)
+    fast = jax.jit(jax.vmap(lambda t, lp: T.point_mass_target_verify(t, lp[0], lp[1:])))(tree, point)
+    assert not np.asarray(fast.error).any() and int(np.asarray(fast.num_accepted).max()) >= 2
+    for cand in ("iid", "point_mass"):
+        for seed in (0, 1):
+            ks = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(rows))
+            slow = RUN[cand](ks, tree, point[:, 0], point[:, 1:])
+            for a, b in zip(fast, slow):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("candidates", ["iid", "point_mass"])
 def test_vmap_equals_per_row_and_uses_the_documented_keys(candidates):
     tree, p = _random_trees(1, 64)

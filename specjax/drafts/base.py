@@ -67,6 +67,20 @@ class ProposeContext(NamedTuple):
         return process_rows(logits, self.params, counts, self.use_penalties, allowed=allowed,
                             bias=bias, top_values=self.top_values)
 
+    def process_nodes(self, logits, counts, position: int):
+        """:meth:`process` for [B, T, V] logits that all sit at draft ``position`` (the
+        nodes of one level of a tree): ``counts`` [B, T, V] (each node's history) or a
+        function of no arguments returning them (computed only when a penalty is on)."""
+        from specjax.sampling import process_rows
+
+        allowed = bias = None
+        if self.controls is not None:
+            gen = jnp.zeros_like(self.seq_len) if self.gen_len is None else self.gen_len
+            allowed = self.controls.allowed_at(gen + position)[:, None]
+            bias = self.controls.bias_at(3)
+        return process_rows(logits, self.params, counts, self.use_penalties, allowed=allowed,
+                            bias=bias, top_values=self.top_values)
+
 
 class CommitContext(NamedTuple):
     """What a proposer learns after verification (its ``commit``)."""

@@ -38,11 +38,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_proposer: re-exported)
     ChainTreeProposer, CommitContext, ModelBackedProposer, Proposal, ProposeContext, is_tree_proposer)
 from specjax.models.base import TreeAttention, prefill
-from specjax.tree import DraftTree
+from specjax.keys import DRAFT, position_key, role_key
+from specjax.sampling import gumbel, sample
+from specjax.tree import DraftTree, full_tree_shape
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -58,7 +61,8 @@ def region_width(topk: int, depth: int) -> int:
     return topk * (depth - 1)
 
 
-def grow_tree(root_lp, expand: Callable, carry, *, topk: int, depth: int, nodes: int):
+def grow_tree(root_lp, expand: Callable, carry, *, topk: int, depth: int, nodes: int,
+              token_map=None):
     """EAGLE-2 style growth (see the module docstring), batched.
 
     ``root_lp`` [B, V]: ranking log-probs of the root's children. ``expand(carry, level,
@@ -66,9 +70,20 @@ def grow_tree(root_lp, expand: Callable, carry, *, topk: int, depth: int, nodes:
     at depth ``level`` (``parent_slot``: each node's parent's index in the previous
     frontier, -1 at level 1) with ``attn`` (a TreeAttention over the growth's region of
     ``topk * (depth - 1)`` slots after the draft's prefix; depths relative to the first
-    level) and returns ranking log-probs of each node's children.
+    level) and returns ranking log-probs of each node's children. With ``token_map``
+    (int32[Vs]) the log-probs are over that subset of the vocabulary (a reduced-vocabulary
+    head scores nothing else): ranking and top-k run over Vs entries, ``expand`` gets and
+    the tree holds the mapped token ids.
 
     Returns ``(carry, DraftTree)`` with fields [B, nodes] (no q: point-mass candidates)."""
+    if token_map is not None:
+        tm = jnp.asarray(token_map, jnp.int32)
+
+        def expand_sub(c, level, tokens_sub, pslot, attn):
+            return expand(c, level, tm[tokens_sub], pslot, attn)
+
+        carry, tree = grow_tree(root_lp, expand_sub, carry, topk=topk, depth=depth, nodes=nodes)
+        return carry, tree._replace(tokens=tm[tree.tokens])
     b, v = root_lp.shape
     k = min(topk, v)
     w = region_width(k, depth)
@@ -128,13 +143,139 @@ def grow_tree(root_lp, expand: Callable, carry, *, topk: int, depth: int, nodes:
     return carry, tree
 
 
-def make_tree_proposer(draft, topk: int, depth: int, nodes: int):
-    """A tree proposer from a draft: an EAGLE head (:class:`EagleTreeProposer`) or a draft
-    model with tree attention (:class:`DraftModelTreeProposer`)."""
+SAMPLED_CANDIDATES = ("iid", "without_replacement")
+
+
+def sampled_shape(branching) -> dict:
+    """Static layout of a full tree of ``branching`` (one factor per level), breadth-first
+    (:func:`specjax.tree.full_tree_shape`): ``parent``, ``depth``, per level the node range
+    ``[start, stop)``, and ``width``: the region slots of the fed levels (all but the last;
+    node i's region slot is i)."""
+    parent, depth = full_tree_shape(tuple(branching))
+    levels, start = [], 0
+    for d in range(1, len(branching) + 1):
+        stop = start + int(np.sum(depth == d))
+        levels.append((start, stop))
+        start = stop
+    width = levels[-2][1] if len(levels) > 1 else 0
+    anc = np.eye(len(parent), dtype=bool)
+    for i, par in enumerate(parent):
+        if par >= 0:
+            anc[i] |= anc[par]
+    return dict(parent=parent, depth=depth, levels=levels, width=width, ancestors=anc)
+
+
+def grow_sampled_tree(root_q, expand: Callable, draw: Callable, carry, *, branching):
+    """Growth with SAMPLED candidates into the fixed full tree of ``branching``.
+
+    ``root_q`` [B, V]: the draft law (processed log-probs) of the root's children.
+    ``draw(q [B, n, V], level, contexts int[n] (static), b) -> (tokens [B, n, b], ok
+    [B, n, b])`` draws ``b`` children per context (``level``: their depth - 1; ``ok``
+    False where there was nothing left to draw). ``expand(carry, level, tokens, (start,
+    stop), parent_local int[n] (static: index in the previous level), attn) -> (carry, q [B, n,
+    V])`` feeds the n nodes of depth ``level`` (region slots = node indices, depths
+    relative to level 1) and returns the draft law of their children; its ``tokens`` are
+    all nodes' so far [B, stop] and it gets ``(start, stop)``, the level's node range
+    (a node's history for penalties: :func:`sampled_shape`'s ``ancestors``).
+
+    The shape does not depend on any draw (a node is only invalid when its context had
+    fewer possible tokens than its rank, or its parent is invalid), so the candidates
+    may be verified as ``"iid"`` / ``"without_replacement"`` draws (the ``draw`` rule).
+    Returns ``(carry, DraftTree)`` with ``q_root`` [B, V] and ``q_node`` [B, N, V] (leaves:
+    -inf rows, never read)."""
+    lay = sampled_shape(branching)
+    b, v = root_q.shape
+    w = lay["width"]
+    region_depth = jnp.broadcast_to(jnp.asarray(lay["depth"][:w] - 1, jnp.int32)[None], (b, w))
+    tok, ok = draw(root_q[:, None], 0, np.zeros((1,), np.int32), branching[0])
+    toks, oks, qs = [tok.reshape(b, -1)], [ok.reshape(b, -1)], []
+    for level in range(1, len(branching)):
+        start, stop = lay["levels"][level - 1]
+        n = stop - start
+        mask = jnp.asarray(lay["ancestors"][start:stop, :w])
+        attn = TreeAttention(depth=jnp.full((b, n), level - 1, jnp.int32),
+                             offset=jnp.full((b,), start, jnp.int32),
+                             mask=jnp.broadcast_to(mask[None], (b, n, w)), region_depth=region_depth)
+        par = lay["parent"][start:stop]
+        plocal = par - (lay["levels"][level - 2][0] if level > 1 else 0)
+        carry, q = expand(carry, level, jnp.concatenate(toks, axis=1), (start, stop),
+                          plocal.astype(np.int32), attn)
+        qs.append(q)
+        tok, ok = draw(q, level, np.arange(start, stop, dtype=np.int32) + 1, branching[level])
+        toks.append(tok.reshape(b, -1))
+        oks.append((ok & oks[-1][:, :, None]).reshape(b, -1))
+    n_all = len(lay["parent"])
+    leaves = n_all - sum(q.shape[1] for q in qs)
+    q_node = jnp.concatenate(qs + [jnp.full((b, leaves, v), -jnp.inf, root_q.dtype)], axis=1)
+    tree = DraftTree(tokens=jnp.concatenate(toks, axis=1).astype(jnp.int32),
+                     parent=jnp.broadcast_to(jnp.asarray(lay["parent"])[None], (b, n_all)),
+                     depth=jnp.broadcast_to(jnp.asarray(lay["depth"])[None], (b, n_all)),
+                     valid=jnp.concatenate(oks, axis=1), q_root=root_q, q_node=q_node)
+    return carry, tree
+
+
+def draw_candidates(candidates: str, draft_keys, token_map=None) -> Callable:
+    """The ``draw`` of :func:`grow_sampled_tree`: ``b`` children per context from its q,
+    i.i.d. (:func:`specjax.sampling.sample` per child) or without replacement (Gumbel
+    top-b, which draws in sequence order: the k-th is q's draw with the earlier ones
+    removed). Keys: ``position_key(draft_keys[row], level)`` folded with the context index
+    (and, i.i.d., the child's rank): one key per draw, role DRAFT only. ``token_map``: q is
+    -inf outside that subset (a reduced-vocabulary head), so drawing among the subset's
+    entries alone is the same law."""
+    if candidates not in SAMPLED_CANDIDATES:
+        raise ValueError(f"sampled candidates must be one of {SAMPLED_CANDIDATES}, got {candidates!r}")
+    tm = None if token_map is None else jnp.asarray(token_map, jnp.int32)
+
+    def draw(q, level, ctx_idx, b):
+        bsz, n, _ = q.shape
+        qs = q if tm is None else jnp.take(q, tm, axis=-1)
+        lvl = jax.vmap(lambda k: position_key(k, level))(draft_keys)  # [B]
+        keys = jax.vmap(lambda k: jax.vmap(lambda c: jax.random.fold_in(k, c))(jnp.asarray(ctx_idx)))(lvl)
+        if candidates == "without_replacement":
+            g = jax.vmap(jax.vmap(lambda k: gumbel(k, qs.shape[-1:])))(keys)
+            score, idx = jax.lax.top_k(qs.astype(jnp.float32) + g, b)
+            ok = score > -jnp.inf
+        else:
+            def one(k, row):
+                return jax.vmap(lambda c: sample(jax.random.fold_in(k, c), row))(jnp.arange(b))
+            idx = jax.vmap(jax.vmap(one))(keys, qs)
+            ok = idx >= 0
+        idx = jnp.maximum(idx, 0).astype(jnp.int32)
+        return (idx if tm is None else tm[idx]), ok
+
+    return draw
+
+
+def pad_tree(tree: DraftTree, n: int) -> DraftTree:
+    """A batched tree padded with invalid nodes (children of the root) to ``n`` nodes."""
+    b, m = tree.tokens.shape
+    if m == n:
+        return tree
+    pad = n - m
+
+    def cat(a, fill):
+        return jnp.concatenate([a, jnp.full((b, pad) + a.shape[2:], fill, a.dtype)], axis=1)
+
+    return tree._replace(tokens=cat(tree.tokens, 0), parent=cat(tree.parent, -1), depth=cat(tree.depth, 1),
+                         valid=cat(tree.valid, False),
+                         q_node=None if tree.q_node is None else cat(tree.q_node, -jnp.inf))
+
+
+def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str = "point_mass",
+                       branching=None):
+    """A tree proposer from a draft: an EAGLE head (:class:`EagleTreeProposer`; with
+    ``candidates`` ``"iid"`` / ``"without_replacement"``, sampled rounds draw a full tree
+    of ``branching``) or a draft model with tree attention (:class:`DraftModelTreeProposer`,
+    top-k trees only)."""
     from specjax.models.eagle import EagleModel
 
     if isinstance(draft, EagleModel):
-        return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes)
+        extra = {} if branching is None else dict(branching=tuple(int(b) for b in branching))
+        return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes,
+                                 candidates=candidates, **extra)
+    if candidates != "point_mass":
+        raise ValueError(f"candidates={candidates!r}: only the EAGLE head grows sampled trees "
+                         "(a draft model grows top-k trees: point_mass)")
     if getattr(draft, "supports_tree", False):
         return DraftModelTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes)
     raise TypeError(f"cannot grow a tree with {type(draft).__name__}: expected an EAGLE head "
@@ -181,16 +322,52 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     children from the kept prediction of ``h_{c-1}``; a frontier node is fed as the pair
     (its parent's predicted feature, its token) with tree attention over the head's cache.
     ``commit`` is :class:`specjax.drafts.eagle.EagleProposer`'s (the engine passes the
-    target's features along the accepted path)."""
+    target's features along the accepted path).
+
+    ``candidates="point_mass"``: every round grows the top-k tree (``topk``, ``depth``,
+    ``nodes``; :func:`grow_tree`). ``"without_replacement"`` / ``"iid"``: a round in which
+    every row is greedy (temperature 0) grows that top-k tree all the same (greedy rows
+    are verified by the argmax, exact for any candidates), any other round draws a full
+    tree of ``branching`` from the head's processed law q (:func:`grow_sampled_tree`),
+    the candidate rule the engine verifies with."""
 
     model: Any = None
     candidates: str = "point_mass"
+    branching: tuple = (2, 2, 1)
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
     always_drafts: bool = True
 
     def __post_init__(self):
         self._check()
+        if self.candidates not in ("point_mass",) + SAMPLED_CANDIDATES:
+            raise ValueError(f"tree candidates must be point_mass, iid or without_replacement, "
+                             f"got {self.candidates!r}")
+        br = self.branching
+        if not isinstance(br, tuple) or not br or any(
+                not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in br):
+            raise ValueError(f"tree branching must be a tuple of ints >= 1, got {br!r}")
+
+    @property
+    def sampled(self) -> bool:
+        return self.candidates != "point_mass"
+
+    def _sampled_layout(self):
+        return sampled_shape(self.branching)
+
+    @property
+    def tree_depth(self) -> int:
+        return max(self.depth, len(self.branching)) if self.sampled else self.depth
+
+    @property
+    def tree_nodes(self) -> int:
+        n = _TreeConfig.tree_nodes.fget(self)
+        return max(n, len(self._sampled_layout()["parent"])) if self.sampled else n
+
+    @property
+    def k(self) -> int:
+        k = max(_TreeConfig.k.fget(self), self.tree_nodes)
+        return max(k, self._sampled_layout()["width"] + 2) if self.sampled else k
 
     def _chain(self):
         from specjax.drafts.eagle import EagleProposer
@@ -203,26 +380,78 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     def commit(self, params, state, ctx: CommitContext):
         return self._chain().commit(params, state, ctx)
 
+    def draw_rule(self) -> str:
+        """How sampled rounds draw siblings (the verifier's rule: ``candidates``)."""
+        return self.candidates
+
     def propose(self, params, state, ctx: ProposeContext) -> Proposal:
         m = self.model.module(params)
         cache = state["cache"].with_lengths(ctx.seq_len - 1)
-        root_lp = _rank_logprobs(m.full_logits(state["h"]), _allowed(ctx, 0))
+        tm = m.token_map[...] if self.model.config.vocab_subset else None
+        n = self.tree_nodes
 
-        def expand(carry, level, tokens, pslot, attn):
-            cache, feats = carry  # feats [B, k, D]: the previous frontier's predictions
-            if level == 1:
-                h_in = jnp.broadcast_to(state["h"][:, None], tokens.shape + state["h"].shape[-1:])
-            else:
-                h_in = jnp.take_along_axis(feats, pslot[:, :, None], axis=1)
-            hn, cache = m.tree_call(h_in, tokens, cache, attn)
-            al = _allowed(ctx, level)
-            lp = _rank_logprobs(m.full_logits(hn), None if al is None else al[:, None])
-            return (cache, hn), lp
+        def topk_tree(cache):
+            def rank(h, al):  # ranking log-probs over the head's scored tokens
+                lg = m.logits(h) if tm is not None else m.full_logits(h)
+                if al is not None and tm is not None:
+                    al = jnp.take(al, tm, axis=-1)
+                return _rank_logprobs(lg, al)
 
-        b, d = state["h"].shape
-        k = min(self.topk, self.vocab_size)
-        (cache, _), tree = grow_tree(root_lp, expand, (cache, jnp.zeros((b, k, d), state["h"].dtype)),
-                                     topk=self.topk, depth=self.depth, nodes=self.nodes)
+            def expand(carry, level, tokens, pslot, attn):
+                cache, feats = carry  # feats [B, k, D]: the previous frontier's predictions
+                if level == 1:
+                    h_in = jnp.broadcast_to(state["h"][:, None], tokens.shape + state["h"].shape[-1:])
+                else:
+                    h_in = jnp.take_along_axis(feats, pslot[:, :, None], axis=1)
+                hn, cache = m.tree_call(h_in, tokens, cache, attn)
+                al = _allowed(ctx, level)
+                return (cache, hn), rank(hn, None if al is None else al[:, None])
+
+            b, d = state["h"].shape
+            k = min(self.topk, self.vocab_size)
+            (cache, _), tree = grow_tree(rank(state["h"], _allowed(ctx, 0)), expand,
+                                         (cache, jnp.zeros((b, k, d), state["h"].dtype)),
+                                         topk=self.topk, depth=self.depth, nodes=self.nodes,
+                                         token_map=tm)
+            if self.sampled:  # the same pytree as the sampled branch's (q never read: greedy)
+                v = self.vocab_size
+                tree = tree._replace(q_root=jnp.full((b, v), -jnp.inf, jnp.float32),
+                                     q_node=jnp.full(tree.tokens.shape + (v,), -jnp.inf, jnp.float32))
+            return cache, pad_tree(tree, n)
+
+        if not self.sampled:
+            cache, tree = topk_tree(cache)
+        else:
+            draft_keys = jax.vmap(lambda k: role_key(k, DRAFT))(ctx.round_keys)
+            lay = self._sampled_layout()
+            v = self.vocab_size
+
+            def sampled_tree(cache):
+                def expand(carry, level, tokens, rng, plocal, attn):
+                    cache, feats = carry
+                    start, stop = rng
+                    cur = tokens[:, start:stop]
+                    if level == 1:
+                        h_in = jnp.broadcast_to(state["h"][:, None], cur.shape + state["h"].shape[-1:])
+                    else:
+                        h_in = feats[:, plocal]
+                    hn, cache = m.tree_call(h_in, cur, cache, attn)
+
+                    def counts():  # committed tokens + each node's path (itself included)
+                        anc = jnp.asarray(lay["ancestors"][start:stop, :stop], ctx.counts.dtype)
+                        oh = jax.nn.one_hot(tokens, v, dtype=ctx.counts.dtype)
+                        return ctx.counts[:, None] + jnp.einsum("ij,bjv->biv", anc, oh)
+
+                    return (cache, hn), ctx.process_nodes(m.full_logits(hn), counts, level)
+
+                root_q = ctx.process(m.full_logits(state["h"]), ctx.counts, 0)
+                (cache, _), tree = grow_sampled_tree(
+                    root_q, expand, draw_candidates(self.draw_rule(), draft_keys, tm), (cache, None),
+                    branching=self.branching)
+                return cache, pad_tree(tree, n)
+
+            greedy = jnp.all(ctx.params.temperature <= 0)
+            cache, tree = jax.lax.cond(greedy, topk_tree, sampled_tree, cache)
         return Proposal(tree.tokens, None, jnp.sum(tree.valid, axis=1).astype(jnp.int32),
                         dict(cache=cache, h=state["h"]), tree)
 
