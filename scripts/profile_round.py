@@ -135,6 +135,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--method", default="token", choices=["token", "block", "greedy", "tree"])
     ap.add_argument("--tree-topk", type=int, default=4, help="method tree: children per expanded node")
     ap.add_argument("--tree-nodes", type=int, default=16, help="method tree: nodes per tree (K is its depth)")
+    ap.add_argument("--tree-candidates", default="point_mass", choices=["point_mass", "iid", "without_replacement"],
+                    help="method tree: sampled rounds' candidates (point_mass: the top-k tree every round)")
+    ap.add_argument("--tree-branching", default="2,1,1", help="method tree: a sampled tree's branching per level")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", type=int, default=4, help="generate calls profiled (one prompt each)")
     ap.add_argument("--tokens", type=int, default=64)
@@ -155,7 +158,9 @@ def main(argv=None) -> dict:
     if a.method == "tree":
         from specjax.drafts.trees import make_tree_proposer
 
-        eng = make_engine(target, make_tree_proposer(draft, a.tree_topk, a.k, a.tree_nodes), None, "tree")
+        br = tuple(int(x) for x in a.tree_branching.split(","))
+        eng = make_engine(target, make_tree_proposer(draft, a.tree_topk, a.k, a.tree_nodes, a.tree_candidates, br),
+                          None, "tree")
     else:
         eng = make_engine(target, draft, a.k, a.method)
     rounds = []

@@ -157,6 +157,90 @@ def resolve_draft(spec: str, target):
 # engines
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """The draft tree of ``method="tree"`` (:mod:`specjax.drafts.trees`).
+
+    With an EAGLE head: rounds in which every row is greedy grow the top-``topk`` tree of
+    ``depth`` levels and ``nodes`` nodes (EAGLE-2 style); other rounds draw a full tree of
+    ``branching`` (children per node, one factor per level) from the head's law, with
+    ``candidates`` ``"without_replacement"`` (default) or ``"iid"``; ``"point_mass"`` grows
+    the top-k tree in every round. A draft model grows top-k trees; prompt lookup's chain
+    of ``depth`` tokens is verified as a chain tree. The defaults are sized for the
+    2-core CPU, where a verify pass of more than ~7 tokens costs compute
+    (BENCHMARKS.md, "Draft trees")."""
+
+    topk: int = 3
+    depth: int = 3
+    nodes: int = 6
+    branching: tuple = (2, 1, 1)
+    candidates: str = "without_replacement"
+
+    def __post_init__(self):
+        for f in ("topk", "depth", "nodes"):
+            x = getattr(self, f)
+            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                raise ValueError(f"tree {f} must be an integer >= 1, got {x!r}")
+        br = self.branching
+        if not isinstance(br, tuple) or not br or any(
+                not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in br):
+            raise ValueError(f"tree branching must be integers >= 1 per level, got {br!r}")
+        if self.candidates not in ("without_replacement", "iid", "point_mass"):
+            raise ValueError(f"tree candidates must be without_replacement, iid or point_mass, "
+                             f"got {self.candidates!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeSpec":
+        """``"topk=3,depth=4,nodes=8,branching=2x1x1,candidates=iid"`` (any subset of the
+        fields, the rest default) -> TreeSpec; ValueError with a one-line message."""
+        kw: dict = {}
+        for part in [x.strip() for x in str(text).split(",") if x.strip()]:
+            key, sep, val = part.partition("=")
+            key = key.strip()
+            if not sep or key not in {f.name for f in dataclasses.fields(cls)}:
+                raise ValueError(f"tree spec {text!r}: expected key=value with keys topk, depth, "
+                                 "nodes, branching (e.g. 2x1x1), candidates")
+            if key in kw:
+                raise ValueError(f"tree spec {text!r}: {key} given twice")
+            try:
+                if key == "candidates":
+                    kw[key] = val.strip()
+                elif key == "branching":
+                    kw[key] = tuple(int(x) for x in val.strip().split("x"))
+                else:
+                    kw[key] = int(val)
+            except ValueError:
+                raise ValueError(f"tree spec {text!r}: bad value for {key}: {val!r}") from None
+        return cls(**kw)
+
+    @property
+    def max_slots(self) -> int:
+        """An upper bound on the cache slots a round writes past the committed length
+        (the proposer's ``k``), for context-length checks before anything is built."""
+        n_sampled, level = 0, 1
+        for b in self.branching:
+            level *= b
+            n_sampled += level
+        return max(self.nodes, n_sampled, self.topk * max(self.depth, len(self.branching)) + 2,
+                   n_sampled + 2, self.depth + 1, len(self.branching) + 1)
+
+    def describe(self) -> dict:
+        return dict(topk=self.topk, depth=self.depth, nodes=self.nodes,
+                    branching=list(self.branching), candidates=self.candidates)
+
+    def proposer(self, draft, vocab_size: int):
+        """The tree proposer for a draft (what :func:`resolve_draft` returns)."""
+        from specjax.drafts.trees import DraftModelTreeProposer, make_tree_proposer
+        from specjax.models.eagle import EagleModel
+
+        if isinstance(draft, EagleModel):
+            return make_tree_proposer(draft, self.topk, self.depth, self.nodes, self.candidates,
+                                      self.branching)
+        if getattr(draft, "supports_tree", False):
+            return DraftModelTreeProposer(model=draft, topk=self.topk, depth=self.depth, nodes=self.nodes)
+        return make_proposer(draft, self.depth, vocab_size)  # verified as a chain tree
+
+
 def _check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -170,23 +254,33 @@ def _check_k(k) -> None:
 
 
 def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
-                sharding: Optional[MeshPlan] = None) -> SpeculativeEngine:
+                sharding: Optional[MeshPlan] = None, tree: Optional[TreeSpec] = None) -> SpeculativeEngine:
     """The speculative engine for ``target`` and ``draft`` (a model, ``"lookup"``, or a
     proposer), drafting ``k`` tokens (default: the proposer's K, else :data:`DEFAULT_K`);
     ``k="auto"``: adaptive, each round drafts 0..:data:`AUTO_MAX_K` tokens by the measured
     costs and the running acceptance (``SpeculativeEngine(adaptive=True)``).
+    ``method="tree"`` with a draft (not a proposer): the tree of ``tree`` (default
+    :class:`TreeSpec()`); ``k`` must then be None (the tree has its own depth).
 
     Memoized (the 8 most recent): the same models and settings give the same engine, so
     its compiled programs are reused (:func:`clear_engines` drops them)."""
     _check_method(method)
+    if tree is not None and method != "tree":
+        raise ValueError(f"a tree spec needs method 'tree', not {method!r}")
+    if method == "tree" and not isinstance(draft, Proposer):
+        if k is not None:
+            raise ValueError(f"method 'tree' takes its depth from the tree spec, not k={k!r}")
+        return _engine(target, draft, None, method, sharding, tree or TreeSpec())
     if k is None:
         k = draft.k if isinstance(draft, Proposer) else DEFAULT_K
     _check_k(k)
-    return _engine(target, draft, k, method, sharding)
+    return _engine(target, draft, k, method, sharding, None)
 
 
 @functools.lru_cache(maxsize=8)
-def _engine(target, draft, k, method: str, sharding) -> SpeculativeEngine:
+def _engine(target, draft, k, method: str, sharding, tree) -> SpeculativeEngine:
+    if tree is not None:
+        return SpeculativeEngine(target, tree.proposer(draft, target.vocab_size), method, sharding=sharding)
     auto = k == "auto"
     return SpeculativeEngine(target, make_proposer(draft, AUTO_MAX_K if auto else k, target.vocab_size),
                              method, sharding=sharding, adaptive=auto)
@@ -231,8 +325,9 @@ class RunSpec:
 
     target: str = "default"  # see load_target
     draft: str = "default"  # see resolve_draft; "none": autoregressive only
-    k: Union[int, str] = DEFAULT_K  # or "auto"
+    k: Union[int, str, None] = None  # None: DEFAULT_K (a chain) or the tree's depth; or "auto"
     method: str = "token"
+    tree: Optional[TreeSpec] = None  # method "tree": the tree (None: TreeSpec())
     # (a factory: building a SamplingConfig validates it with jax arrays, and importing this
     # module must not start a jax backend before jax.distributed.initialize)
     sampling: sampling.SamplingConfig = dataclasses.field(default_factory=sampling.SamplingConfig)
@@ -243,7 +338,14 @@ class RunSpec:
 
     def __post_init__(self):
         _check_method(self.method)
-        _check_k(self.k)
+        if self.method == "tree":
+            if self.k is not None:
+                raise ValueError(f"method 'tree' takes its depth from the tree spec, not k={self.k!r}")
+        else:
+            if self.k is not None:
+                _check_k(self.k)
+            if self.tree is not None:
+                raise ValueError(f"a tree spec needs method 'tree', not {self.method!r}")
         check_draft_spec(self.draft)
 
 
@@ -284,7 +386,7 @@ def build(spec: RunSpec) -> Run:
         draft, ddesc = resolve_draft(spec.draft, target)
         if plan is not None and isinstance(draft, type(target)):  # a draft model (the engine
             draft = place_model(draft, plan, "draft")         # places other drafts' params)
-        eng = make_engine(target, draft, spec.k, spec.method, plan)
+        eng = make_engine(target, draft, spec.k, spec.method, plan, spec.tree)
     return Run(spec=spec, target=target, tokenizer=tok, target_desc=tdesc, draft=draft,
                draft_desc=ddesc, engine=eng, autoregressive=make_autoregressive_engine(target, plan),
                plan=plan)

@@ -35,12 +35,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help="a file with one prompt per line (a dataset: --batch-size rows "
                                           "at a time, each finished row's slot refilled with the next prompt)")
     g.add_argument("--batch-size", type=int, default=16, help="rows decoded together with --prompts-file (default 16)")
-    g.add_argument("--k", default="auto",
+    g.add_argument("--k", default=None,
                    help="draft tokens per round: an integer >= 1, or 'auto' (the default): each round "
                         "drafts 0-3 tokens, chosen from the measured round costs (measured once per "
                         "machine and batch size, saved under ~/.cache/specjax) and the acceptance so far")
-    g.add_argument("--method", choices=["token", "block", "greedy"], default="token",
-                   help="token/block: exact sampling from the target law; greedy: the target's argmax chain")
+    g.add_argument("--method", choices=["token", "block", "greedy", "tree"], default="token",
+                   help="token/block: exact sampling from the target law with a chain of drafts; tree: "
+                        "exact sampling with a draft tree verified in one pass (see --tree); greedy: "
+                        "the target's argmax chain")
+    g.add_argument("--tree", default=None, metavar="SPEC",
+                   help="with --method tree: the tree, e.g. 'topk=3,depth=3,nodes=6,branching=2x1x1,"
+                        "candidates=without_replacement' (any subset; these are the defaults): greedy "
+                        "rounds grow the draft's top-k tree, sampled rounds draw a full tree of "
+                        "'branching' children per level")
     g.add_argument("--draft", default="default",
                    help="'default', 'lookup' (prompt lookup n-grams), 'none' (autoregressive only), "
                         "'layers:N' (the target's first N layers), or a draft file / model path")
@@ -97,14 +104,29 @@ def _check_args(a) -> list:
         prompts = [a.prompt]
     from specjax import build
 
-    if a.k != "auto":
+    a.tree_spec = None
+    if a.method == "tree":
+        if a.k is not None:
+            raise UsageError("--k does not apply to --method tree: give the tree's depth with "
+                             "--tree depth=N")
         try:
-            a.k = int(a.k)
-        except ValueError:
-            raise UsageError(f"--k must be an integer >= 1 or 'auto', got {a.k!r}") from None
-        if a.k < 1:
-            raise UsageError(f"--k must be >= 1, got {a.k}")
-    a.k_max = build.AUTO_MAX_K if a.k == "auto" else a.k
+            a.tree_spec = build.TreeSpec.parse(a.tree or "")
+        except ValueError as e:
+            raise UsageError(f"--tree: {e}") from None
+        a.k_max = a.tree_spec.max_slots
+    else:
+        if a.tree is not None:
+            raise UsageError("--tree needs --method tree")
+        if a.k is None:
+            a.k = "auto"
+        if a.k != "auto":
+            try:
+                a.k = int(a.k)
+            except ValueError:
+                raise UsageError(f"--k must be an integer >= 1 or 'auto', got {a.k!r}") from None
+            if a.k < 1:
+                raise UsageError(f"--k must be >= 1, got {a.k}")
+        a.k_max = build.AUTO_MAX_K if a.k == "auto" else a.k
     if a.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
     try:
@@ -288,7 +310,8 @@ def _check_prompts(a, ids, cfg) -> None:
                              f"{min_len} (use --draft lookup, or a longer prompt)")
         if len(x) + a.max_new_tokens + a.k_max > limit:
             raise UsageError(
-                f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and --k {a.k} "
+                f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and "
+                f"{'the tree' if a.tree_spec else f'--k {a.k}'} "
                 f"it exceeds the model's context of {limit} tokens")
     v = cfg.vocab_size
     for flag, got in (("--ban", a.ban_ids), ("--allow", a.allow_ids),
@@ -409,6 +432,7 @@ def run_generate(a) -> int:
                   stop_tokens=list(tok.stop_ids), **controls)
     stream_to = None if (a.json or a.no_stream or len(prompts) > 1) else sys.stdout
     report = {"prompts": prompts, "method": a.method, "k": a.k,
+              **({} if a.tree_spec is None else {"tree": a.tree_spec.describe()}),
               "sampling": dict(settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                                presence_penalty=a.presence_penalty, origin=origin),
               "controls": controls, "streamed": stream_to is not None}
@@ -419,7 +443,7 @@ def run_generate(a) -> int:
     if a.draft != "none":
         _progress(f"loading the draft ({a.draft})")
         draft, desc = build.resolve_draft(a.draft, target)
-        eng = build.make_engine(target, draft, a.k, a.method)
+        eng = build.make_engine(target, draft, a.k, a.method, tree=a.tree_spec)
         spec, dt, t_compile = _compile_and_run("speculative", eng, ids, stream_to, tok, a.batch_size, **common)
         n = sum(len(t) for t in spec.tokens)
         drafted = sum(s.drafted for s in spec.stats)
@@ -433,6 +457,7 @@ def run_generate(a) -> int:
             "mean_alpha": float(np.mean(alphas)) if alphas else float("nan"),
             "draft": desc["kind"] if desc["spec"] == "default" else desc["spec"],
             "rounds_by_draft_tokens": np.asarray(spec.raw["k_rounds"]).tolist(),
+            "rounds": rounds, "drafted": drafted, "accepted": accepted,
         }
         report["texts"] = _texts(spec, tok)
         if "inserts" in spec.raw:
@@ -503,14 +528,25 @@ def run_generate(a) -> int:
     if "speculative" in report:
         s = report["speculative"]
         kr = s["rounds_by_draft_tokens"]
-        ks = (f"K=auto (rounds by draft tokens: {', '.join(f'{j}: {r}' for j, r in enumerate(kr) if r)})"
-              if a.k == "auto" else f"K={a.k}")
+        if a.tree_spec is not None:
+            t = a.tree_spec
+            ks = (f"tree (greedy rounds: top-{t.topk}, depth {t.depth}, {t.nodes} nodes; sampled rounds: "
+                  f"{'x'.join(map(str, t.branching))} {t.candidates})")
+        elif a.k == "auto":
+            ks = f"K=auto (rounds by draft tokens: {', '.join(f'{j}: {r}' for j, r in enumerate(kr) if r)})"
+        else:
+            ks = f"K={a.k}"
         print(f"[specjax] {a.method} verification, {ks}, draft={s['draft']}: "
               f"{s['tokens_per_s']:.1f} tokens/s (compiled in {s['compile_seconds']:.1f} s), "
               f"{s['tokens_per_round']:.2f} tokens/round")
-        print(f"[specjax] acceptance {s['acceptance_rate']:.3f}: the share of drafted tokens the target kept")
-        print(f"[specjax] mean alpha {s['mean_alpha']:.3f}: the exact overlap sum_x min(p, q) of draft and "
-              "target at the verified positions (the acceptance rate to expect)")
+        if a.tree_spec is not None:
+            r = max(s["rounds"], 1)
+            print(f"[specjax] {s['accepted'] / r:.2f} draft tokens accepted per round, from "
+                  f"{s['drafted'] / r:.1f} tree nodes per round")
+        else:
+            print(f"[specjax] acceptance {s['acceptance_rate']:.3f}: the share of drafted tokens the target kept")
+            print(f"[specjax] mean alpha {s['mean_alpha']:.3f}: the exact overlap sum_x min(p, q) of draft and "
+                  "target at the verified positions (the acceptance rate to expect)")
     if "autoregressive" in report:
         print(f"[specjax] autoregressive: {report['autoregressive']['tokens_per_s']:.1f} tokens/s")
     if "speedup" in report:

@@ -339,28 +339,35 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int):
     """Walk the tree: a node is tried when its parent's context is the current one (its
     earlier siblings all rejected), with uniform ``u_i`` from role ACCEPT at position i.
     Returns ``(cur, num_accepted, path int32[max_depth], r, lz)``: the context where the
-    descent ended and its residual."""
+    descent ended and its residual.
+
+    A ``while_loop`` over the nodes actually tried (the first valid child of the current
+    context, then its next valid sibling after a rejection), so a round costs the few
+    residual updates it makes rather than one per node. The same decisions, in the same
+    order, as a pass over all nodes in index order (:func:`law_scan`'s)."""
     n = tree.tokens.shape[0]
     log_u = jnp.log(_acceptance_uniforms(key, n))
     ctx = tree.parent + 1
+    idx = jnp.arange(n, dtype=jnp.int32)
+    # first valid child of each context, next valid sibling of each node (n: none)
+    first = jnp.min(jnp.where(tree.valid[None, :] & (ctx[None, :] == jnp.arange(n + 1)[:, None]),
+                              idx[None, :], n), axis=1).astype(jnp.int32)
+    sib = tree.valid[None, :] & (ctx[None, :] == ctx[:, None]) & (idx[None, :] > idx[:, None])
+    nxt = jnp.min(jnp.where(sib, idx[None, :], n), axis=1).astype(jnp.int32)
 
-    def body(carry, i):
-        cur, r, lz, qa, num, path = carry
-        active = tree.valid[i] & (ctx[i] == cur)
+    def body(carry):
+        node, cur, r, lz, qa, num, path = carry
+        i = jnp.minimum(node, n - 1)
         log_a, r2, lz2, qa2 = step(r, lz, qa, tree.tokens[i], P[cur])
-        acc = active & (log_u[i] < log_a)
-        rej = active & ~acc
+        acc = log_u[i] < log_a
         path = jnp.where(acc, path.at[jnp.minimum(num, max_depth - 1)].set(i), path)
-        carry = (jnp.where(acc, i + 1, cur),
-                 jnp.where(acc, P[i + 1], jnp.where(rej, r2, r)),
-                 jnp.where(acc, 0.0, jnp.where(rej, lz2, lz)).astype(lz.dtype),
-                 jnp.where(acc, Q[i + 1], jnp.where(rej, qa2, qa)),
-                 num + acc.astype(jnp.int32), path)
-        return carry, None
+        return (jnp.where(acc, first[i + 1], nxt[i]), jnp.where(acc, i + 1, cur),
+                jnp.where(acc, P[i + 1], r2), jnp.where(acc, 0.0, lz2).astype(lz.dtype),
+                jnp.where(acc, Q[i + 1], qa2), num + acc.astype(jnp.int32), path)
 
-    init = (jnp.int32(0), P[0], jnp.zeros((), P.dtype), Q[0], jnp.int32(0),
+    init = (first[0], jnp.int32(0), P[0], jnp.zeros((), P.dtype), Q[0], jnp.int32(0),
             jnp.full((max_depth,), -1, jnp.int32))
-    (cur, r, lz, _, num, path), _ = jax.lax.scan(body, init, jnp.arange(n))
+    _, cur, r, lz, _, num, path = jax.lax.while_loop(lambda c: c[0] < n, body, init)
     return cur, num, path, r, lz
 
 

@@ -24,6 +24,8 @@ def models():
     (dict(k=0), "K must be an integer >= 1"),
     (dict(k=True), "K must be an integer >= 1"),
     (dict(draft="eagle2"), "expected default, lookup, none, layers:N or an existing path"),
+    (dict(method="tree", k=3), "takes its depth from the tree spec"),
+    (dict(method="token", tree=build.TreeSpec()), "needs method 'tree'"),
 ])
 def test_run_spec_rejects_bad_settings_before_loading(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -93,3 +95,42 @@ def test_importing_the_library_starts_no_jax_backend():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("topk=3,depth", "expected key=value"),
+    ("width=3", "expected key=value"),
+    ("topk=x", "bad value for topk"),
+    ("branching=2x0", "branching must be integers >= 1"),
+    ("candidates=random", "candidates must be"),
+    ("nodes=0", "nodes must be an integer >= 1"),
+    ("depth=2,depth=3", "depth given twice"),
+])
+def test_tree_spec_rejects_bad_text(text, message):
+    with pytest.raises(ValueError, match=message):
+        build.TreeSpec.parse(text)
+
+
+def test_tree_spec_builds_each_drafts_tree(models):
+    from specjax.drafts.base import ChainTreeProposer
+    from specjax.drafts.trees import DraftModelTreeProposer, EagleTreeProposer
+    from specjax.models.eagle import EagleConfig, EagleModel
+
+    target, draft = models
+    spec = build.TreeSpec.parse("topk=2, depth=4, nodes=5, branching=3x1, candidates=iid")
+    assert spec == build.TreeSpec(topk=2, depth=4, nodes=5, branching=(3, 1), candidates="iid")
+    assert build.TreeSpec.parse("") == build.TreeSpec()
+    em = EagleModel.for_target(target, EagleConfig.for_target(target.config, n_heads=4, n_kv_heads=2,
+                                                              head_dim=8, ffn_dim=32), seed=1)
+    eng = build.make_engine(target, em, method="tree", tree=spec)
+    p = eng.proposer
+    assert isinstance(p, EagleTreeProposer) and (p.topk, p.depth, p.nodes) == (2, 4, 5)
+    assert p.branching == (3, 1) and p.candidates == "iid" and p.tree_depth == 4
+    assert isinstance(build.make_engine(target, draft, method="tree").proposer, DraftModelTreeProposer)
+    lookup = build.make_engine(target, "lookup", method="tree", tree=spec).proposer
+    assert isinstance(lookup, ChainTreeProposer) and lookup.tree_depth == 4
+    with pytest.raises(ValueError, match="takes its depth"):
+        build.make_engine(target, em, 3, "tree")
+    with pytest.raises(ValueError, match="only the EAGLE head grows sampled trees"):
+        from specjax.drafts.trees import make_tree_proposer
+        make_tree_proposer(draft, 2, 2, 3, "iid")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specjax import cli
+from specjax import build, cli
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -44,6 +44,10 @@ from specjax import cli
     (["generate", "hi", "--ban", "49152"], "--ban: token ids must be in [0, 49152)"),
     (["generate", "hi", "--logit-bias=-1=2"], "--logit-bias: token ids must be in [0, 49152)"),
     (["generate", "hi", "--allow", "2", "--min-new-tokens", "1"], "only stop tokens are allowed"),
+    (["generate", "hi", "--method", "tree", "--k", "3"], "--k does not apply to --method tree"),
+    (["generate", "hi", "--method", "tree", "--tree", "branching=2x0"], "--tree: tree branching must be"),
+    (["generate", "hi", "--method", "tree", "--tree", "fanout=2"], "--tree: tree spec 'fanout=2'"),
+    (["generate", "hi", "--tree", "depth=2"], "--tree needs --method tree"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
@@ -129,10 +133,11 @@ def test_prompt_longer_than_context_and_real_run(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and "context" in res.stderr, res.stderr[-2000:]
 
-    # a fixed K (k="auto" compiles four round programs and measures costs: the tiny-model
-    # CLI tests and tests/test_adaptive.py cover it)
+    # a draft tree (k="auto" compiles four round programs and measures costs: the tiny-model
+    # CLI tests and tests/test_adaptive.py cover it), greedy: tests/test_engine_real.py runs
+    # method "greedy" on this model
     res = subprocess.run([sys.executable, "-m", "specjax", "generate", "What is 2+2?", "--max-new-tokens", "24",
-                          "--method", "greedy", "--json", "--compare", "--repeats", "2", "--k", "3"],
+                          "--method", "tree", "--temperature", "0", "--json", "--compare", "--repeats", "2"],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout)
@@ -144,6 +149,7 @@ def test_prompt_longer_than_context_and_real_run(tmp_path):
     assert report["passes"] == 2 and lo <= report["speedup"] <= hi
     assert "<|im_end|>" not in report["texts"][0]
     assert "[specjax] compiling the speculative program" in res.stderr
+    assert report["tree"] == build.TreeSpec().describe() and report["speculative"]["accepted"] > 0
 
 
 @pytest.fixture(scope="module")
