@@ -75,6 +75,10 @@ def parse_args(argv=None):
     ap.add_argument("--methods", type=_csv(str), default=None, help="token,block,tree")
     ap.add_argument("--tree-topk", type=int, default=None, help="method tree: children per expanded node")
     ap.add_argument("--tree-nodes", type=int, default=None, help="method tree: nodes per tree (K is its depth)")
+    ap.add_argument("--tree-branching", type=_csv(int), default=None,
+                    help="method tree: a sampled round's children per level, e.g. 2,1,1")
+    ap.add_argument("--tree-candidates", default=None, choices=["without_replacement", "iid", "point_mass"],
+                    help="method tree: how sampled rounds draw (point_mass: the top-k tree every round)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
                 out_dir=args.out, temperatures=args.temperatures, methods=args.methods, publish_dir=args.publish_dir)
     if args.ks is not None:
         over.update(ks=args.ks, ks_by_batch=())
-    for name_ in ("tree_topk", "tree_nodes"):
+    for name_ in ("tree_topk", "tree_nodes", "tree_branching", "tree_candidates"):
         if getattr(args, name_) is not None:
             over[name_] = getattr(args, name_)
     if args.batch_sizes is not None:

@@ -55,8 +55,14 @@ class BenchConfig:
     max_new_tokens: int = 64
     temperatures: tuple = (0.0, 0.7, 1.0)
     methods: tuple = ("token", "block")
-    tree_topk: int = 4  # method "tree": children per expanded node (K is the depth)
-    tree_nodes: int = 16  # method "tree": nodes per tree
+    # method "tree" (build.TreeSpec; K is the depth): greedy rounds grow the top-k tree of
+    # tree_topk children per expanded node and tree_nodes nodes, sampled rounds draw a full
+    # tree of tree_branching children per level (tree_candidates: how; point_mass: the
+    # top-k tree in every round)
+    tree_topk: int = 3
+    tree_nodes: int = 6
+    tree_branching: tuple = (2, 1, 1)
+    tree_candidates: str = "without_replacement"
     batch_sizes: tuple = (1, 4, 16)
     ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     ks_by_batch: tuple = ()  # ((batch, (k, ...)), ...): K grid per batch size (default: ks)
@@ -87,7 +93,7 @@ class BenchConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         for k, typ in (("temperatures", float), ("methods", str), ("batch_sizes", int), ("ks", int),
                        ("peer_dtypes", str), ("peer_ks", int), ("peer_schedules", str),
-                       ("peer_temperatures", float)):
+                       ("peer_temperatures", float), ("tree_branching", int)):
             set_(k, _tuple(getattr(self, k), typ) or ())
         set_("ks_by_batch", _per_batch(self.ks_by_batch))
         set_("rows_by_batch", _per_batch(self.rows_by_batch))

@@ -315,7 +315,8 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
             engines = {}
             for mi, method in enumerate(cfg.methods):
                 if method == "tree":
-                    prop = make_tree_proposer(runner.draft, cfg.tree_topk, k, cfg.tree_nodes)
+                    prop = make_tree_proposer(runner.draft, cfg.tree_topk, k, cfg.tree_nodes,
+                                              cfg.tree_candidates, tuple(cfg.tree_branching))
                 else:
                     prop = make_proposer(runner.draft, k, target.vocab_size)
                 eng = SpeculativeEngine(target, prop, method)
