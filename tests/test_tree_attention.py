@@ -125,7 +125,8 @@ def test_moved_path_continues_like_the_sequence(lm):
 
 
 def _hlo(lm, tokens, cache, tree):
-    return jax.jit(lambda p, t, c, tr: lm.apply(p, t, c, tree=tr).logits).lower(lm.params, tokens, cache, tree).as_text()
+    f = jax.jit(lambda p, t, c, tr: lm.apply(p, t, c, tree=tr).logits)
+    return f.lower(lm.params, tokens, cache, tree).as_text()
 
 
 def _random_tree(rng, B, T, W, lengths, offset):
