@@ -79,7 +79,8 @@ def main(argv=None):
         for _ in range(args.repeats):
             tk.append(once(fk, target.params, t, cache, tr))
             tx.append(once(fx, target.params, t, cache, tr))
-        diff = float(np.abs(np.asarray(fk(target.params, t, cache, tr)) - np.asarray(fx(target.params, t, cache, tr))).max())
+        a, b = (np.asarray(f(target.params, t, cache, tr)) for f in (fk, fx))
+        diff = float(np.abs(a - b).max())
         print(f"tree {branching}, {t.shape[1]} tokens: kernel {np.median(tk):.2f} ms (min {min(tk):.2f}), "
               f"XLA tree attention {np.median(tx):.2f} ms (min {min(tx):.2f}); max |logit diff| {diff:.1e}")
     fc = jax.jit(lambda p, t, c: target.apply(p, t, c).logits)
