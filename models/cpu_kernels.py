@@ -17,7 +17,9 @@ so a row's norm, hence every later float, changed with the batch size.
 
 ``models/kernels/attention.cc`` does a layer's cached attention (all rows and heads) in
 one call: XLA ran it as a loop of small ops per chunk of cache slots, whose dispatch cost,
-not FLOPs, made attention a sizeable share of a 1-token step.
+not FLOPs, made attention a sizeable share of a 1-token step. A second handler of the same
+code takes a draft tree's mask (the verification pass over a tree: visibility as
+``models/llama.py:_tree_visible``).
 
 Measurements (``scripts/bench_step.py`` with and without ``--cpu-kernels xla``, profiles,
 the ``MAX_ROWS`` crossover) are in BENCHMARKS.md; they depend on the machine and go stale.
@@ -26,7 +28,8 @@ The kernels are compiled on first use with the system C++ compiler (``$CXX`` or 
 ``-O3 -march=native``) against the FFI headers shipped in jaxlib, cached under
 ``$SPECJAX_KERNEL_CACHE`` (default ``~/.cache/specjax/kernels``) keyed by the source,
 compiler, flags, jaxlib version and CPU flags, and registered as the FFI targets
-``specjax_small_matmul``, ``specjax_attention`` and ``specjax_rms_norm``. Models choose them
+``specjax_small_matmul``, ``specjax_attention`` (and ``specjax_tree_attention``) and
+``specjax_rms_norm``. Models choose them
 at trace time (:func:`use_small_matmul`, :func:`use_attention`, :func:`use_rms_norm`):
 ``LlamaConfig.cpu_kernels`` =
 ``"auto"`` (default: a kernel where it applies and builds, else XLA with one warning),
@@ -65,6 +68,7 @@ KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
 TARGET_F16 = "specjax_small_matmul_f16"  # float16 weights (float32 x and y)
 ATTENTION_TARGET = "specjax_attention"
+TREE_ATTENTION_TARGET = "specjax_tree_attention"  # the same kernel with a draft tree's mask
 RMS_NORM_TARGET = "specjax_rms_norm"
 SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f
                 for f in ("small_matmul.cc", "attention.cc", "rms_norm.cc"))
@@ -147,6 +151,8 @@ def _build_and_register() -> tuple:
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TREE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxTreeAttention),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(RMS_NORM_TARGET, jax.ffi.pycapsule(lib.SpecjaxRmsNorm), platform="cpu")
         return True, "", lib
     except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
@@ -239,7 +245,8 @@ def use_small_matmul(mode: str, x: jax.Array, w: jax.Array) -> bool:
 
 
 def use_attention(mode: str, q: jax.Array, k_all: jax.Array) -> bool:
-    """Trace-time choice for a layer's cached attention (float32 query and cache)."""
+    """Trace-time choice for a layer's cached attention (float32 query and cache), causal or
+    over a draft tree (the same conditions)."""
     _check_mode(mode)
     if q.dtype != jnp.float32 or k_all.dtype != jnp.float32 or q.ndim != 5 or k_all.ndim != 5:
         return False
@@ -266,15 +273,25 @@ def rms_norm_raw(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) ->
     return y.reshape(x.shape)
 
 
-def attention_raw(q, k_all, v_all, layer, positions, window=None, scale=None, softcap: float = 0.0) -> jax.Array:
+def attention_raw(q, k_all, v_all, layer, positions, window=None, scale=None, softcap: float = 0.0,
+                  tree=None) -> jax.Array:
     """The attention kernel (no autodiff rule: models/llama.py wraps it in a custom_jvp).
     q [B,T,Nkv,G,H], k_all/v_all [L,B,Nkv,S,H], layer int32[], positions int32[B,T];
     ``window`` int32[] (a query at p sees slots p - window < s <= p; None: no window),
-    ``scale`` the score scale (None: H ** -0.5), ``softcap`` Gemma 2's score cap (0: off)."""
+    ``scale`` the score scale (None: H ** -0.5), ``softcap`` Gemma 2's score cap (0: off).
+    ``tree``: ``(lengths int32[B], mask bool[B,T,W], region_depth int32[B,W])`` for tree
+    attention instead of causal (visibility of ``models/llama.py:_tree_visible``: the prefix
+    slots ``< lengths`` and the region slots ``lengths + w`` the mask names, each in the
+    window by its position); None: causal."""
     _require()
     window = jnp.asarray(2 ** 30 if window is None else window, jnp.int32)
+    attrs = dict(scale=np.float32(0.0 if scale is None else scale), softcap=np.float32(softcap))
+    if tree is not None:
+        lengths, mask, region_depth = tree
+        return jax.ffi.ffi_call(TREE_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                vmap_method="sequential")(
+            q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32), window,
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(mask, bool), jnp.asarray(region_depth, jnp.int32), **attrs)
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")(
-        q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32), window,
-        scale=np.float32(0.0 if scale is None else scale), softcap=np.float32(softcap))
-
+        q, k_all, v_all, jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.int32), window, **attrs)

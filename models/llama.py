@@ -498,12 +498,18 @@ def cached_attention(q, k_all, v_all, layer, positions, chunk: int, window=None,
 
 
 def kernel_attention(q, k_all, v_all, layer, positions, chunk: int, window=None, scale=None,
-                     softcap: float = 0.0):
-    """:func:`cached_attention` by the FFI kernel (models/kernels/attention.cc), float32 CPU.
+                     softcap: float = 0.0, tree=None):
+    """:func:`cached_attention` by the FFI kernel (models/kernels/attention.cc), float32 CPU,
+    causal or (``tree``: ``(lengths, mask, region_depth)``, as there) over a draft tree.
     Its derivative is that of :func:`cached_attention` (XLA), so training is unaffected."""
     w = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
-    return _kernel_attention(q, k_all, v_all, layer, positions, w, chunk,
-                             None if scale is None else float(scale), float(softcap))
+    scale = None if scale is None else float(scale)
+    if tree is not None:
+        lengths, mask, region_depth = tree
+        return _kernel_tree_attention(q, k_all, v_all, layer, positions, w, jnp.asarray(lengths, jnp.int32),
+                                      jnp.asarray(mask, bool), jnp.asarray(region_depth, jnp.int32), chunk,
+                                      scale, float(softcap))
+    return _kernel_attention(q, k_all, v_all, layer, positions, w, chunk, scale, float(softcap))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
@@ -516,6 +522,23 @@ def _kernel_attention_jvp(chunk, scale, softcap, primals, tangents):
     q, k_all, v_all, layer, positions, window = primals
     dq, dk, dv = tangents[:3]
     return jax.jvp(lambda q, k, v: cached_attention(q, k, v, layer, positions, chunk, window, scale, softcap),
+                   (q, k_all, v_all), (dq, dk, dv))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(9, 10, 11))
+def _kernel_tree_attention(q, k_all, v_all, layer, positions, window, lengths, mask, region_depth, chunk: int,
+                           scale, softcap):
+    return attention_raw(q, k_all, v_all, layer, positions, window, scale=scale, softcap=softcap,
+                         tree=(lengths, mask, region_depth))
+
+
+@_kernel_tree_attention.defjvp
+def _kernel_tree_attention_jvp(chunk, scale, softcap, primals, tangents):
+    q, k_all, v_all, layer, positions, window, lengths, mask, region_depth = primals
+    dq, dk, dv = tangents[:3]
+    tree = (lengths, mask, region_depth)
+    return jax.jvp(lambda q, k, v: cached_attention(q, k, v, layer, positions, chunk, window, scale, softcap,
+                                                    tree=tree),
                    (q, k_all, v_all), (dq, dk, dv))
 
 
@@ -704,7 +727,8 @@ class Block(nnx.Module):
     def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None, tree=None):
         """``window``: this layer's sliding window (an int, traced in the scanned path) or
         None for full causal attention. ``tree``: ``(slots [B, T], lengths, mask,
-        region_depth)`` for tree attention (new KV written at ``slots``; the XLA path)."""
+        region_depth)`` for tree attention (new KV written at ``slots``; the attention kernel
+        where the causal call would use it, else XLA's)."""
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T, D = x.shape
@@ -725,12 +749,12 @@ class Block(nnx.Module):
         k_all = _write_cache(k_all, layer, k, slots)
         v_all = _write_cache(v_all, layer, v, slots)
         attn = dict(window=window, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
-        if tree is not None:  # the FFI kernel knows causal masks only: tree masks use XLA
-            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, tree=tree[1:], **attn)
-        elif use_attention(cfg.cpu_kernels, q, k_all):
-            o = kernel_attention(q, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk, **attn)
+        tv = None if tree is None else tree[1:]  # (lengths, mask, region_depth)
+        if use_attention(cfg.cpu_kernels, q, k_all):
+            o = kernel_attention(q, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk,
+                                 tree=tv, **attn)
         else:
-            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, **attn)  # [B,T,Nkv,G,H]
+            o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, tree=tv, **attn)  # [B,T,Nkv,G,H]
         h = _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.cpu_kernels)
         if cfg.sandwich_norm:
             h = rms_norm(h, self.post_attn_norm[...], eps, off, ck)
@@ -941,8 +965,8 @@ class LlamaLM:
 
     def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False,
               tree: Optional[TreeAttention] = None) -> ModelOutput:
-        """``tree``: tree attention (:class:`specjax.models.base.TreeAttention`; the XLA
-        attention path even where the CPU attention kernel is on; lengths unchanged)."""
+        """``tree``: tree attention (:class:`specjax.models.base.TreeAttention`; lengths
+        unchanged), through the CPU attention kernel where a causal call would use it."""
         return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden,
                                                 tree)
 

@@ -8,6 +8,16 @@
 //   -> o [B, T, Nkv, G, H];  query (b, t, kv, g) at p = positions[b, t] sees slots
 //   p - window < s <= p (s < S); scores are (q . k) * scale, then softcap * tanh(. / softcap).
 //
+// SpecjaxTreeAttention (draft-tree verification; models/llama.py:_tree_visible) takes three
+// more operands, lengths int32[B], mask bool[B, T, W] and region_depth int32[B, W], and sees
+// instead: the prefix slots s < lengths[b] with s > p - window, and the region slots
+// s = lengths[b] + w (w < W, s < S) with mask[b, t, w] and lengths[b] + region_depth[b, w]
+// > p - window; nothing at or past lengths[b] + W. Scores are computed for the slots from
+// the lowest visible prefix slot to the last region slot, the invisible ones set to -inf
+// before the softmax (their weights are then exactly 0 in the sum over V). A query row that
+// sees no slot at all gets zeros. The causal handler runs the same code with no tree, so its
+// results are unchanged by the tree case.
+//
 // Same law as models/llama.py:cached_attention (softmax in float32, max-subtracted), in a
 // fixed order per query row that does not depend on the batch or on the other rows. Above
 // kMinParallelFlops the work is split over (b, kv head) pairs, and each pair's query rows
@@ -140,20 +150,53 @@ inline int64_t LowSlot(const Dims& d, int64_t p) {
   return lo < 0 ? 0 : (lo > hi ? hi : lo);
 }
 
+// Tree attention, one batch row: the region is slots len..len+W-1 (those below S)
+struct TreeRow {
+  int64_t len, W;
+  const bool* mask;       // [T, W] of this batch row
+  const int32_t* rdepth;  // [W] of this batch row
+  int64_t End(const Dims& d) const { return len + W < d.S ? len + W : d.S; }  // past the last slot read
+  // lowest slot a query at p may see: the lowest prefix slot in its window, else the region's first
+  int64_t Low(const Dims& d, int64_t p) const {
+    const int64_t lo = p - d.window + 1, top = len < End(d) ? len : End(d);
+    return lo < 0 ? 0 : (lo > top ? top : lo);
+  }
+  // region slot s (len <= s < End) visible from (t, p)
+  bool Sees(const Dims& d, int64_t t, int64_t p, int64_t s) const {
+    const int64_t w = s - len;
+    return mask[t * W + w] && len + rdepth[w] > p - d.window;
+  }
+};
+
 // One (b, kv head), query rows [rb, re) of its T x G rows (row r = (t = r / G, g = r % G)):
-// each row against slots LowSlot(pos)..min(pos, S-1). Scores are computed for the slots
-// from `first` (the lowest visible slot over the rows, rounded down to a multiple of 16;
-// 0 without a window) to the highest one; sc holds them from `first` on.
+// each row against slots LowSlot(pos)..min(pos, S-1) (with a tree: tr->Low(pos)..tr->End()-1,
+// the invisible ones masked). Scores are computed for the slots from `first` (the lowest
+// visible slot over the rows, rounded down to a multiple of 16; 0 without a window) to the
+// highest one; sc holds them from `first` on.
 void Head(const Dims& d, const float* q, const float* k, const float* v, const int32_t* pos_b,
-          int64_t b, int64_t h, int64_t rb, int64_t re, float* o, std::vector<float>& sc) {
+          int64_t b, int64_t h, int64_t rb, int64_t re, float* o, std::vector<float>& sc,
+          const TreeRow* tr = nullptr) {
   const int64_t TG = re - rb, H = d.H;
   int64_t last = 0;  // highest visible slot over the rows
   int64_t first = d.S;  // lowest visible slot over the rows
-  for (int64_t t = rb / d.G; t <= (re - 1) / d.G; ++t) {
-    int64_t p = pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1;
-    if (p > last) last = p;
-    const int64_t lo = LowSlot(d, pos_b[t]);
-    if (lo < first) first = lo;
+  if (tr == nullptr) {
+    for (int64_t t = rb / d.G; t <= (re - 1) / d.G; ++t) {
+      int64_t p = pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1;
+      if (p > last) last = p;
+      const int64_t lo = LowSlot(d, pos_b[t]);
+      if (lo < first) first = lo;
+    }
+  } else {  // every row reads up to the region's end
+    last = tr->End(d) - 1;
+    for (int64_t t = rb / d.G; t <= (re - 1) / d.G; ++t) {
+      const int64_t lo = tr->Low(d, pos_b[t]);
+      if (lo < first) first = lo;
+    }
+    if (first > last) {  // no slot to read (an empty prefix and no region slot below S): zeros
+      for (int64_t r = rb; r < re; ++r)
+        std::memset(o + (((b * d.T + r / d.G) * d.Nkv + h) * d.G + r % d.G) * H, 0, H * sizeof(float));
+      return;
+    }
   }
   first = first / 16 * 16;
   const int64_t n = last + 1;
@@ -209,14 +252,17 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
   // per row: softmax over its visible slots, then the weighted sum of V
   for (int64_t r = 0; r < TG; ++r) {
     const int64_t t = (rb + r) / d.G, g = (rb + r) % d.G;
-    const int64_t vis = (pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1) + 1;  // slots lo..vis-1
-    const int64_t lo = LowSlot(d, pos_b[t]);
+    const int64_t vis = tr ? tr->End(d) : (pos_b[t] < d.S - 1 ? pos_b[t] : d.S - 1) + 1;  // slots lo..vis-1
+    const int64_t lo = tr ? tr->Low(d, pos_b[t]) : LowSlot(d, pos_b[t]);
     float* sr = sc.data() + r * n16;  // sr[j] is slot first + j
     const int64_t a = lo - first, e = vis - first;
     if (d.softcap > 0.f)
       for (int64_t j = a; j < e; ++j) sr[j] = d.softcap * std::tanh(sr[j] / d.softcap);
     for (int64_t j = 0; j < a; ++j) sr[j] = -INFINITY;  // below the window
     for (int64_t j = e; j < n16; ++j) sr[j] = -INFINITY;  // masked (and padding)
+    if (tr)  // region slots (all >= lo) outside the row's mask or window
+      for (int64_t s = tr->len; s < vis; ++s)
+        if (!tr->Sees(d, t, pos_b[t], s)) sr[s - first] = -INFINITY;
     v16 mv = load16(sr);
     for (int64_t s = 16; s < n16; s += 16) {
       const v16 x = load16(sr + s);
@@ -224,6 +270,11 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
     }
     float m = mv[0];
     for (int j = 1; j < 16; ++j) m = mv[j] > m ? mv[j] : m;
+    float* orow = o + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
+    if (tr && !(m > -INFINITY)) {  // a row that sees no slot: zeros (never NaN)
+      std::memset(orow, 0, H * sizeof(float));
+      continue;
+    }
     v16 lsum = v16{};
     for (int64_t s = 0; s < n16; s += 16) {
       v16 x;
@@ -234,7 +285,6 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
     }
     float l = 0.f;
     for (int j = 0; j < 16; ++j) l += lsum[j];
-    float* orow = o + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
     const float inv = 1.0f / l;
     const float* wr = sr + a;  // weights of slots lo..vis-1
     const float* vr = v + lo * H;
@@ -266,6 +316,11 @@ struct Job {
   int64_t layer = 0;
   float* o = nullptr;
   int64_t parts = 1;  // row parts per (b, kv head): tasks = B x Nkv x parts
+  // tree attention (SpecjaxTreeAttention); mask == nullptr: causal
+  const int32_t* lengths = nullptr;  // [B]
+  const bool* mask = nullptr;        // [B, T, W]
+  const int32_t* rdepth = nullptr;   // [B, W]
+  int64_t W = 0;
 
   // task i: part (i % parts) of the query rows of (b, kv head) = i / parts
   void Task(int64_t i) const {
@@ -274,14 +329,27 @@ struct Job {
     const int64_t part = i % parts, bh = i / parts;
     const int64_t b = bh / d.Nkv, h = bh % d.Nkv;
     const int64_t off = (((layer * d.B + b) * d.Nkv + h) * d.S) * d.H;
-    Head(d, q, k + off, v + off, pos + b * d.T, b, h, TG * part / parts, TG * (part + 1) / parts, o, sc);
+    if (mask == nullptr) {
+      Head(d, q, k + off, v + off, pos + b * d.T, b, h, TG * part / parts, TG * (part + 1) / parts, o, sc);
+    } else {
+      const TreeRow tr{lengths[b], W, mask + b * d.T * W, rdepth + b * W};
+      Head(d, q, k + off, v + off, pos + b * d.T, b, h, TG * part / parts, TG * (part + 1) / parts, o, sc, &tr);
+    }
   }
 };
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
-                         ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window, float scale,
-                         float softcap, ffi::ResultBuffer<ffi::F32> o) {
+// The shared body of both handlers: checks, the job, the split into tasks. `tree` null:
+// causal attention; else (lengths, mask, region_depth) of the tree (checked here).
+struct TreeArgs {
+  ffi::Buffer<ffi::S32> lengths;
+  ffi::Buffer<ffi::PRED> mask;
+  ffi::Buffer<ffi::S32> region_depth;
+};
+
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
+               ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
+               ffi::Buffer<ffi::S32> window, float scale, float softcap, ffi::ResultBuffer<ffi::F32> o,
+               const TreeArgs* tree) {
   const auto qd = q.dimensions(), kd = k_all.dimensions(), pd = positions.dimensions();
   const auto vd = v_all.dimensions();
   bool ok = qd.size() == 5 && kd.size() == 5 && vd.size() == 5 && pd.size() == 2 && kd[1] == qd[0] &&
@@ -305,6 +373,24 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     if (pos[i] < 0) return ffi::Error::InvalidArgument("specjax attention: negative position");
     maxpos = pos[i] > maxpos ? pos[i] : maxpos;
   }
+  int64_t reach = maxpos + 1 < win ? maxpos + 1 : win;  // most slots a query row reads (for the split)
+  if (tree) {
+    const auto ld = tree->lengths.dimensions(), md = tree->mask.dimensions();
+    const auto rd = tree->region_depth.dimensions();
+    if (ld.size() != 1 || md.size() != 3 || rd.size() != 2 || ld[0] != qd[0] || md[0] != qd[0] ||
+        md[1] != qd[1] || rd[0] != qd[0] || rd[1] != md[2])
+      return ffi::Error::InvalidArgument("specjax tree attention: inconsistent tree shapes");
+    job.lengths = tree->lengths.typed_data();
+    job.mask = tree->mask.typed_data();
+    job.rdepth = tree->region_depth.typed_data();
+    job.W = md[2];
+    int64_t maxlen = 0;
+    for (int64_t i = 0; i < qd[0]; ++i) {
+      if (job.lengths[i] < 0) return ffi::Error::InvalidArgument("specjax tree attention: negative length");
+      maxlen = job.lengths[i] > maxlen ? job.lengths[i] : maxlen;
+    }
+    reach = (maxlen < win ? maxlen : win) + job.W;
+  }
   job.q = q.typed_data();
   job.k = k_all.typed_data();
   job.v = v_all.typed_data();
@@ -315,7 +401,7 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   // parties than cores made step times bimodal), with each (b, kv head)'s rows split into
   // parts when there are fewer (b, kv head) pairs than ~2 per thread.
   const int64_t pairs = job.d.B * job.d.Nkv, rows = qd[1] * qd[3];
-  const double span = static_cast<double>(maxpos + 1 < win ? maxpos + 1 : win);
+  const double span = static_cast<double>(reach);
   const double work = 4.0 * pairs * rows * qd[4] * span;
   int64_t threads = pool.num_threads();
   if (threads < 1 || work < kMinParallelFlops) threads = 1;
@@ -324,6 +410,23 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   job.parts = parts;
   RunTasks(pool, pairs * parts, threads - 1, [&job](int64_t i) { job.Task(i); });
   return ffi::Error::Success();
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
+                         ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window, float scale,
+                         float softcap, ffi::ResultBuffer<ffi::F32> o) {
+  return Run(pool, q, k_all, v_all, layer, positions, window, scale, softcap, o, nullptr);
+}
+
+ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
+                             ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::S32> layer,
+                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window,
+                             ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> mask,
+                             ffi::Buffer<ffi::S32> region_depth, float scale, float softcap,
+                             ffi::ResultBuffer<ffi::F32> o) {
+  const TreeArgs tree{lengths, mask, region_depth};
+  return Run(pool, q, k_all, v_all, layer, positions, window, scale, softcap, o, &tree);
 }
 
 }  // namespace
@@ -336,6 +439,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxTreeAttention, TreeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
