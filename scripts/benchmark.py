@@ -79,6 +79,7 @@ def parse_args(argv=None):
                     help="method tree: a sampled round's children per level, e.g. 2,1,1")
     ap.add_argument("--tree-candidates", default=None, choices=["without_replacement", "iid", "point_mass"],
                     help="method tree: how sampled rounds draw (point_mass: the top-k tree every round)")
+    ap.add_argument("--prompts-file", default=None, help="one prompt per line (default: the config's)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     name = args.config or ("quick" if args.quick else "default")
     over = dict(model=args.model, draft=args.draft, param_dtype=args.param_dtype, dtype=args.dtype, scan_layers=args.scan_layers,
                 max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts, repeats=args.repeats,
+                prompts_file=args.prompts_file,
                 seed=args.seed, peer=args.peer, peer_dtypes=args.peer_dtypes, peer_ks=args.peer_ks,
                 out_dir=args.out, temperatures=args.temperatures, methods=args.methods, publish_dir=args.publish_dir)
     if args.ks is not None:
