@@ -34,7 +34,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.models.base import KVCache
-from specjax.models.llama import LlamaConfig, RopeScaling, _linear, apply_rope, rms_norm, rope_tables
+from specjax.models.cpu_kernels import use_attention
+from specjax.models.llama import (LlamaConfig, RopeScaling, _linear, apply_rope, kernel_attention, rms_norm,
+                                  rope_tables)
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
 # the same names as specjax.models.llama's canonical weights
@@ -85,7 +87,11 @@ class Layer(nnx.Module):
         out["mlp_norm"] = _np(self.mlp_norm[...])
         return out
 
-    def __call__(self, x, k_all, v_all, layer, slots, cos, sin, mask):
+    def __call__(self, x, k_all, v_all, layer, slots, cos, sin, mask, kernel=None):
+        """``mask`` [B, T, S]: the visible slots (XLA's attention). ``kernel``: ``(positions,
+        tree)`` when the visibility is causal by position (``tree`` None) or a draft tree's
+        (``(lengths, mask, region_depth)``, as :func:`specjax.models.llama._tree_visible`):
+        then the CPU attention kernel runs where the target's would (float32), else XLA."""
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T, D = x.shape
@@ -98,7 +104,13 @@ class Layer(nnx.Module):
         b_idx, h_idx = jnp.arange(B)[:, None, None], jnp.arange(Nkv)[None, None, :]
         k_all = k_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(k.astype(k_all.dtype), mode="drop")
         v_all = v_all.at[layer, b_idx, h_idx, slots[:, :, None]].set(v.astype(v_all.dtype), mode="drop")
-        o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
+        q5 = q.reshape(B, T, Nkv, N // Nkv, H)
+        if kernel is not None and use_attention(ck, q5, k_all):
+            positions, tree = kernel
+            o = kernel_attention(q5, k_all, v_all, jnp.asarray(layer, jnp.int32), positions, cfg.attn_chunk,
+                                 tree=tree).reshape(B, T, N, H)
+        else:
+            o = _masked_attention(q, k_all[layer].astype(dt), v_all[layer].astype(dt), mask)
         x = x + _linear(o.reshape(B, T, N * H), self.wo[...], ck)
         h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps, cpu_kernels=ck)
         a = jax.nn.silu(_linear(h, self.w_gate[...], ck)) * _linear(h, self.w_up[...], ck)
@@ -277,9 +289,9 @@ class EagleHead(nnx.Module):
         x = jnp.concatenate([hidden.astype(dt), e], axis=-1)
         return _linear(x, self.fc[...], self.cfg.layer_config().cpu_kernels)
 
-    def _layers(self, x, k_all, v_all, slots, cos, sin, mask):
+    def _layers(self, x, k_all, v_all, slots, cos, sin, mask, kernel=None):
         for i, blk in enumerate(self.layers):
-            x, k_all, v_all = blk(x, k_all, v_all, i, slots, cos, sin, mask)
+            x, k_all, v_all = blk(x, k_all, v_all, i, slots, cos, sin, mask, kernel)
         return rms_norm(x, self.out_norm[...], self.cfg.norm_eps, cpu_kernels=self.cfg.layer_config().cpu_kernels), k_all, v_all
 
     # ------------------------------------------------------------------ cached step
@@ -294,7 +306,7 @@ class EagleHead(nnx.Module):
         cos, sin = rope_tables(positions, lcfg)
         mask = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
         x = self._inputs(hidden, tokens)
-        h, k_all, v_all = self._layers(x, cache.k, cache.v, positions, cos, sin, mask)
+        h, k_all, v_all = self._layers(x, cache.k, cache.v, positions, cos, sin, mask, (positions, None))
         return h, KVCache(k=k_all, v=v_all, lengths=lengths + T)
 
     def tree_call(self, hidden, tokens, cache: KVCache, tree):
@@ -314,7 +326,8 @@ class EagleHead(nnx.Module):
         mask = _tree_visible(jnp.arange(cache.max_len, dtype=jnp.int32), positions,
                              (lengths, tree.mask, tree.region_depth), None)
         x = self._inputs(hidden, tokens)
-        h, k_all, v_all = self._layers(x, cache.k, cache.v, slots, cos, sin, mask)
+        h, k_all, v_all = self._layers(x, cache.k, cache.v, slots, cos, sin, mask,
+                                       (positions, (lengths, tree.mask, tree.region_depth)))
         return h, KVCache(k=k_all, v=v_all, lengths=lengths)
 
     # ------------------------------------------------------------------ training pass

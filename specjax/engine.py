@@ -426,6 +426,9 @@ AUTO_PRIOR = 0.5  # acceptance assumed at a draft position before any evidence .
 AUTO_PRIOR_WEIGHT = 2.0  # ... worth this many observations (later positions: the one before)
 AUTO_DECAY = 0.95  # evidence from older rounds fades (the text changes)
 AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence)
+# part of every cost table's key: bumped when the rounds' code or the way they are measured
+# changes, so that tables measured before are not used (2: interleaved calibration passes)
+COST_MODEL_VERSION = 2
 
 
 def choose_k(auto: AutoState, costs) -> jax.Array:
@@ -1291,7 +1294,8 @@ class SpeculativeEngine(_Sharded):
         what = repr((dev.platform, getattr(dev, "device_kind", ""), jax.device_count(), os.cpu_count(),
                      repr(getattr(self.target, "config", type(self.target).__name__)),
                      str(jax.tree.leaves(self.target.params)[0].dtype) if self.target.params is not None else "",
-                     type(prop).__name__, repr(draft), self.k, self.method, self.sharding is not None))
+                     type(prop).__name__, repr(draft), self.k, self.method, self.sharding is not None,
+                     COST_MODEL_VERSION))
         return f"{hashlib.sha256(what.encode()).hexdigest()[:24]}/b{int(batch_size)}"
 
     def calibrate(self, batch_size: int, *, like: Optional[Batch] = None, prompt_len: int = 32,
@@ -1299,7 +1303,9 @@ class SpeculativeEngine(_Sharded):
         """Measure the cost (seconds) of a round that drafts j = 0..K tokens at
         ``batch_size``: generations of ``new_tokens`` lengths (random prompts, T=1, no stop)
         with j forced, the per-round cost being the time difference over the difference in
-        rounds (prefill cancels). ``like`` (a prepared batch of that size): run its program
+        rounds (prefill cancels). Every (j, length) runs once per pass and the passes repeat
+        (``repeats`` after a warm-up pass), keeping each one's fastest time, so that a slow
+        spell of a shared machine does not skew the ratios between j. ``like`` (a prepared batch of that size): run its program
         (buffer sizes, controls), so that nothing more is compiled. Sets the table
         (:meth:`set_costs`) and saves it to the cost file."""
         if not self.adaptive:
@@ -1309,11 +1315,10 @@ class SpeculativeEngine(_Sharded):
         width = bucket(prompt_len) if like is None else like.prompts.shape[1]
         plen = min(int(prompt_len), width)
         prompts = rng.integers(0, self.target.vocab_size, (b, plen))
-        cost = np.zeros(self.k + 1)
+        runs = []  # (j, n, executable, args): one program, j forced by the cost argument
         for j in range(self.k + 1):
             forced = np.full(self.k + 1, np.inf)
             forced[j] = 1.0
-            points = []
             for n in new_tokens:
                 batch = self.prepare(prompts, seed=0, max_new_tokens=int(n),
                                      sampling_params=sampling.SamplingConfig(temperature=1.0))
@@ -1328,16 +1333,23 @@ class SpeculativeEngine(_Sharded):
                         params=batch.params, max_new=np.full(b, n, np.int32),
                         stop_ids=np.full_like(like.stop_ids, _NO_STOP))
                 args, static = self._call_args(batch, costs=forced)
-                exe = self._executable(args, static)
-                best = None
-                for _ in range(repeats + 1):  # the first run warms up
-                    t0 = time.perf_counter()
-                    iters = int(jax.device_get(exe(*args)["iterations"]))
-                    dt = time.perf_counter() - t0
-                    best = dt if best is None else min(best, dt)
-                points.append((iters, best))
-            (i0, t0_), (i1, t1_) = points
-            cost[j] = max((t1_ - t0_) / max(i1 - i0, 1), 1e-9)
+                runs.append((j, int(n), self._executable(args, static), args))
+        # every (j, n) once per pass, passes repeated, the fastest pass kept: a slow spell of a
+        # shared machine hits all j alike instead of skewing their ratios (the rule reads ratios)
+        best, iters = {}, {}
+        for rep in range(repeats + 1):  # the first pass warms up
+            for j, n, exe, args in runs:
+                t0 = time.perf_counter()
+                it = int(jax.device_get(exe(*args)["iterations"]))
+                dt = time.perf_counter() - t0
+                if rep:
+                    best[j, n] = min(best.get((j, n), np.inf), dt)
+                    iters[j, n] = it
+        cost = np.zeros(self.k + 1)
+        ns = sorted({n for _, n, _, _ in runs})
+        n0, n1 = ns[0], ns[-1]
+        for j in range(self.k + 1):
+            cost[j] = max((best[j, n1] - best[j, n0]) / max(iters[j, n1] - iters[j, n0], 1), 1e-9)
         self.set_costs(b, cost)
         if save:
             _save_costs(self.cost_key(b), cost.tolist())

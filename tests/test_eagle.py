@@ -162,3 +162,34 @@ def test_a_missing_shipped_draft_falls_back_to_prompt_lookup(monkeypatch):
     monkeypatch.setitem(files.SHIPPED, "shipped-test", "no-such-draft.npz")
     with pytest.warns(UserWarning, match="no-such-draft.npz is missing"):
         assert files.default_draft_for(tgt) == "lookup"
+
+
+@pytest.mark.parametrize("kernels", ["kernel", "xla"])
+def test_tree_call_node_equals_its_path_alone(kernels, monkeypatch):
+    """EagleHead.tree_call (the attention kernel with a tree mask, or XLA's): each node's
+    output equals feeding its path's pairs one after the other from the same prefix."""
+    import specjax.models.eagle as eagle_mod
+    from specjax.models.base import TreeAttention
+    from specjax.tree import ancestor_mask
+
+    if kernels == "xla":
+        monkeypatch.setattr(eagle_mod, "use_attention", lambda *a: False)
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=5)
+    em = _head(tgt)
+    b, d = 2, 32
+    h = jax.random.normal(jax.random.key(0), (b, 6, d))
+    toks = jax.random.randint(jax.random.key(1), (b, 6), 0, 64)
+    parent = np.array([-1, -1, 0, 0, 1, 2])
+    depth = np.array([1, 1, 2, 2, 2, 3])
+    nf = jax.random.normal(jax.random.key(2), (b, 6, d))
+    nt = jax.random.randint(jax.random.key(3), (b, 6), 0, 64)
+    _, prefix = em.apply(em.params, h, toks, em.init_cache(b, 32))
+    mask = np.asarray(ancestor_mask(parent))
+    attn = TreeAttention.dense(np.broadcast_to(depth - 1, (b, 6)), mask)
+    out, _ = jax.jit(lambda p, f, t, c: em.module(p).tree_call(f, t, c, attn))(em.params, nf, nt, prefix)
+    for i in range(6):
+        path = [j for j in range(6) if mask[i, j]]
+        f, c = None, prefix
+        for j in path:
+            f, c = em.apply(em.params, nf[:, j:j + 1], nt[:, j:j + 1], c)
+        np.testing.assert_allclose(np.asarray(out[:, i]), np.asarray(f[:, 0]), atol=2e-5)
