@@ -174,3 +174,22 @@ def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain():
     out = engine.SpeculativeEngine(tgt, hybrid, "tree").generate(PROMPTS, **kw)
     assert out.tokens == chain.tokens
     assert sum(s.accepted for s in out.stats) > 0
+
+
+def test_sampled_tree_dataset_rows_equal_one_row_runs():
+    """Continuous batching with a sampled EAGLE tree (T=1, ragged lengths, a stop token):
+    every prompt's tokens are those of its one-row run with the same dataset index."""
+    from specjax import build
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
+                                                           head_dim=8, ffn_dim=32), seed=1)
+    eng = build.make_engine(tgt, em, method="tree")
+    prompts = PROMPTS + [[9, 8], [4, 4, 4, 4]]
+    kw = dict(seed=0, stop_tokens=[63], sampling_params=sampling.SamplingConfig(temperature=1.0))
+    max_new = [5, 20, 9, 14, 3]
+    out = eng.generate_dataset(prompts, batch_size=2, max_new_tokens=max_new, **kw)
+    assert out.raw["inserts"] == 3
+    for i, p in enumerate(prompts):
+        one = eng.generate([p], row_indices=[i], max_new_tokens=max_new[i], **kw)
+        assert one.tokens[0] == out.tokens[i], f"prompt {i}"
