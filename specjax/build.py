@@ -177,17 +177,9 @@ class TreeSpec:
     candidates: str = "without_replacement"
 
     def __post_init__(self):
-        for f in ("topk", "depth", "nodes"):
-            x = getattr(self, f)
-            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                raise ValueError(f"tree {f} must be an integer >= 1, got {x!r}")
-        br = self.branching
-        if not isinstance(br, tuple) or not br or any(
-                not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in br):
-            raise ValueError(f"tree branching must be integers >= 1 per level, got {br!r}")
-        if self.candidates not in ("without_replacement", "iid", "point_mass"):
-            raise ValueError(f"tree candidates must be without_replacement, iid or point_mass, "
-                             f"got {self.candidates!r}")
+        from specjax.drafts.trees import check_tree_settings
+
+        check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates)
 
     @classmethod
     def parse(cls, text: str) -> "TreeSpec":
@@ -215,14 +207,13 @@ class TreeSpec:
 
     @property
     def max_slots(self) -> int:
-        """An upper bound on the cache slots a round writes past the committed length
-        (the proposer's ``k``), for context-length checks before anything is built."""
-        n_sampled, level = 0, 1
-        for b in self.branching:
-            level *= b
-            n_sampled += level
-        return max(self.nodes, n_sampled, self.topk * max(self.depth, len(self.branching)) + 2,
-                   n_sampled + 2, self.depth + 1, len(self.branching) + 1)
+        """The cache slots a round may write past the committed length, for context-length
+        checks before any model is loaded: the EAGLE tree proposer's ``k`` for this spec
+        (a draft model's top-k tree and prompt lookup's chain of ``depth`` write no more)."""
+        from specjax.drafts.trees import EagleTreeProposer
+
+        return EagleTreeProposer(model=None, topk=self.topk, depth=self.depth, nodes=self.nodes,
+                                 candidates=self.candidates, branching=self.branching).k
 
     def describe(self) -> dict:
         return dict(topk=self.topk, depth=self.depth, nodes=self.nodes,

@@ -54,30 +54,21 @@ class ProposeContext(NamedTuple):
     controls: Any = None  # specjax.sampling.Controls of the call (None: no controls)
 
     def process(self, logits, counts, position: int):
-        """The shared pipeline for the draft's [B, V] logits at draft ``position`` (0-based):
-        the sampling parameters, penalties (``counts`` [B, V]: history including the drafts
-        before this position) and the generation controls at generated-token index
-        ``gen_len + position``, exactly as the target gets them at that position."""
+        """The shared pipeline for the draft's [B, V] logits at draft ``position`` (0-based),
+        or [B, T, V] logits that all sit there (the nodes of one level of a tree): the
+        sampling parameters, penalties (``counts`` [B, V] or [B, T, V]: history including
+        the drafts before this position; or a function of no arguments returning them,
+        computed only when a penalty is on) and the generation controls at generated-token
+        index ``gen_len + position``, exactly as the target gets them at that position."""
         from specjax.sampling import process_rows
 
         allowed = bias = None
         if self.controls is not None:
             gen = jnp.zeros_like(self.seq_len) if self.gen_len is None else self.gen_len
-            allowed, bias = self.controls.allowed_at(gen + position), self.controls.bias_at(2)
-        return process_rows(logits, self.params, counts, self.use_penalties, allowed=allowed,
-                            bias=bias, top_values=self.top_values)
-
-    def process_nodes(self, logits, counts, position: int):
-        """:meth:`process` for [B, T, V] logits that all sit at draft ``position`` (the
-        nodes of one level of a tree): ``counts`` [B, T, V] (each node's history) or a
-        function of no arguments returning them (computed only when a penalty is on)."""
-        from specjax.sampling import process_rows
-
-        allowed = bias = None
-        if self.controls is not None:
-            gen = jnp.zeros_like(self.seq_len) if self.gen_len is None else self.gen_len
-            allowed = self.controls.allowed_at(gen + position)[:, None]
-            bias = self.controls.bias_at(3)
+            allowed = self.controls.allowed_at(gen + position)
+            if logits.ndim == 3:
+                allowed = allowed[:, None]
+            bias = self.controls.bias_at(logits.ndim)
         return process_rows(logits, self.params, counts, self.use_penalties, allowed=allowed,
                             bias=bias, top_values=self.top_values)
 

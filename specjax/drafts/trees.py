@@ -227,7 +227,6 @@ def draw_candidates(candidates: str, draft_keys, token_map=None) -> Callable:
     tm = None if token_map is None else jnp.asarray(token_map, jnp.int32)
 
     def draw(q, level, ctx_idx, b):
-        bsz, n, _ = q.shape
         qs = q if tm is None else jnp.take(q, tm, axis=-1)
         lvl = jax.vmap(lambda k: position_key(k, level))(draft_keys)  # [B]
         keys = jax.vmap(lambda k: jax.vmap(lambda c: jax.random.fold_in(k, c))(jnp.asarray(ctx_idx)))(lvl)
@@ -289,6 +288,22 @@ def _allowed(ctx: ProposeContext, position):
     return ctx.controls.allowed_at(gen + position)
 
 
+def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_mass") -> None:
+    """ValueError unless the tree settings are valid: ``topk``, ``depth``, ``nodes`` ints
+    >= 1, ``branching`` a non-empty tuple of ints >= 1, ``candidates`` one of
+    ``"point_mass"`` and :data:`SAMPLED_CANDIDATES` (the proposers' and
+    :class:`specjax.build.TreeSpec`'s one check)."""
+    for name, x in (("topk", topk), ("depth", depth), ("nodes", nodes)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+            raise ValueError(f"tree {name} must be an integer >= 1, got {x!r}")
+    if not isinstance(branching, tuple) or not branching or any(
+            not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in branching):
+        raise ValueError(f"tree branching must be integers >= 1 per level, got {branching!r}")
+    if candidates not in ("point_mass",) + SAMPLED_CANDIDATES:
+        raise ValueError(f"tree candidates must be point_mass, iid or without_replacement, "
+                         f"got {candidates!r}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TreeConfig:
     topk: int = 4
@@ -296,12 +311,7 @@ class _TreeConfig:
     nodes: int = 16
 
     def _check(self):
-        for f in ("topk", "depth", "nodes"):
-            x = getattr(self, f)
-            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                raise ValueError(f"tree {f} must be an int >= 1, got {x!r}")
-        if self.depth < 1 or self.nodes < 1:
-            raise ValueError("tree depth and nodes must be >= 1")
+        check_tree_settings(self.topk, self.depth, self.nodes)
 
     @property
     def tree_depth(self) -> int:
@@ -339,14 +349,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     always_drafts: bool = True
 
     def __post_init__(self):
-        self._check()
-        if self.candidates not in ("point_mass",) + SAMPLED_CANDIDATES:
-            raise ValueError(f"tree candidates must be point_mass, iid or without_replacement, "
-                             f"got {self.candidates!r}")
-        br = self.branching
-        if not isinstance(br, tuple) or not br or any(
-                not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in br):
-            raise ValueError(f"tree branching must be a tuple of ints >= 1, got {br!r}")
+        check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates)
 
     @property
     def sampled(self) -> bool:
@@ -442,7 +445,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                         oh = jax.nn.one_hot(tokens, v, dtype=ctx.counts.dtype)
                         return ctx.counts[:, None] + jnp.einsum("ij,bjv->biv", anc, oh)
 
-                    return (cache, hn), ctx.process_nodes(m.full_logits(hn), counts, level)
+                    return (cache, hn), ctx.process(m.full_logits(hn), counts, level)
 
                 root_q = ctx.process(m.full_logits(state["h"]), ctx.counts, 0)
                 (cache, _), tree = grow_sampled_tree(
