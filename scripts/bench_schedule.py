@@ -14,9 +14,12 @@ Part 2, a dataset run: the 64 prompts of ``configs/bench/dataset_prompts.txt`` (
 apart from the training prompts, many styles) with stop tokens on (natural lengths, up to
 ``--dataset-max-new``), ``--dataset-batch`` slots: the same engines in fixed batches
 (``generate`` on consecutive chunks, rows keyed by dataset index) and with continuous
-batching (``generate_dataset``). Reported: wall time per generated token, loop
-iterations, tokens per loop iteration per slot against the rows' own tokens per round,
-and whether both modes gave the same tokens (fixed K and autoregressive: they must).
+batching (``generate_dataset``), once with every slot to the end and once with the tail
+compacted (the default: once no prompt is left, the running rows move to fewer slots).
+Reported: wall time per generated token, loop iterations, slot iterations (slots x
+iterations, summed over the batch sizes a run went through), tokens per slot iteration
+against the rows' own tokens per round (their ratio), and whether every mode gave the
+same tokens (fixed K and autoregressive: they must).
 
 Prints a Markdown report and writes it with every figure to ``--out`` (JSON + .md).
 """
@@ -106,6 +109,7 @@ def dataset(a, target, draft, tok):
     for name, eng in engines.items():
         for c in chunks:  # compile every program first
             eng.compile([ids[i] for i in c], row_indices=c, **kw)
+        eng.compile(ids, dataset_batch=b, compact=False, **kw)
         eng.compile(ids, dataset_batch=b, **kw)
 
         def fixed():
@@ -113,18 +117,22 @@ def dataset(a, target, draft, tok):
             toks = [t for o in outs for t in o.tokens]
             stats = None if outs[0].stats is None else [s for o in outs for s in o.stats]
             iters = sum(int(o.raw["iterations"]) for o in outs)
-            return toks, stats, iters
+            slot_iters = sum(len(c) * int(o.raw["iterations"]) for c, o in zip(chunks, outs))
+            return toks, stats, iters, slot_iters
 
-        def cont():
-            o = eng.generate_dataset(ids, batch_size=b, **kw)
-            return o.tokens, o.stats, int(o.raw["iterations"])
+        def cont(compact):
+            def run():
+                o = eng.generate_dataset(ids, batch_size=b, compact=compact, **kw)
+                return o.tokens, o.stats, int(o.raw["iterations"]), int(o.raw["slot_iterations"])
+            return run
 
-        for mode, fn in (("fixed batches", fixed), ("continuous", cont)):
-            (toks, stats, iters), dt = _timed(fn)
+        for mode, fn in (("fixed batches", fixed), ("continuous, all slots", cont(False)),
+                         ("continuous, tail compacted", cont(True))):
+            (toks, stats, iters, slot_iters), dt = _timed(fn)
             n = sum(len(t) for t in toks)
             row = dict(setting=name, mode=mode, seconds=dt, tokens=n, ms_per_token=1e3 * dt / n,
-                       iterations=iters, tokens_per_iteration_per_slot=n / (iters * b),
-                       lengths=[len(t) for t in toks])
+                       iterations=iters, slot_iterations=slot_iters,
+                       tokens_per_iteration_per_slot=n / slot_iters, lengths=[len(t) for t in toks])
             if stats is not None:
                 row["rows_tokens_per_round"] = n / sum(s.rounds for s in stats)
             row["tokens_list"] = toks
@@ -169,8 +177,8 @@ def main():
                       f"{r.get('k_rounds', '')} |")
         md.append("")
     if out["dataset"]:
-        md += ["| setting | mode | s | tokens | ms/token | loop iterations | tok/iteration/slot | rows' tok/round | same tokens as fixed |",
-               "|---|---|---|---|---|---|---|---|---|"]
+        md += ["| setting | mode | s | tokens | ms/token | loop iterations | slot iterations | tok/iteration/slot | rows' tok/round | ratio | same tokens as fixed |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         ref = {}
         for r in out["dataset"]:
             same = ""
@@ -178,9 +186,11 @@ def main():
                 ref[r["setting"]] = r["tokens_list"]
             else:
                 same = "yes" if ref.get(r["setting"]) == r["tokens_list"] else "no"
+            per_row = r.get("rows_tokens_per_round", 1.0)  # autoregressive: 1 token per step
             md.append(f"| {r['setting']} | {r['mode']} | {r['seconds']:.1f} | {r['tokens']} | {r['ms_per_token']:.2f} | "
-                      f"{r['iterations']} | {r['tokens_per_iteration_per_slot']:.3f} | "
-                      f"{r.get('rows_tokens_per_round', float('nan')):.3f} | {same} |")
+                      f"{r['iterations']} | {r['slot_iterations']} | {r['tokens_per_iteration_per_slot']:.3f} | "
+                      f"{r.get('rows_tokens_per_round', float('nan')):.3f} | "
+                      f"{r['tokens_per_iteration_per_slot'] / per_row:.3f} | {same} |")
         lens = out["dataset"][0]["lengths"]
         md.append(f"\nnatural lengths (first setting): min {min(lens)}, median {int(np.median(lens))}, max {max(lens)}")
     text = "\n".join(md)

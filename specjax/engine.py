@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -616,6 +617,59 @@ class _Sharded:
             ).lower(carry, one, np.int32(0), **static).compile()
         return args, (start, advance, finish, insert)
 
+    def _tail_sizes(self, b: int) -> list:
+        """The smaller batch sizes a dataset run's tail may move to (:meth:`_dataset`):
+        b // 2, b // 4, ..., 1; for an adaptive engine only those with a cost table (set
+        or saved), so that the tail never stops to measure one."""
+        sizes, s = [], b // 2
+        while s >= 1:
+            if not getattr(self, "adaptive", False) or self.has_costs(s):
+                sizes.append(s)
+            s //= 2
+        return sizes
+
+    def _tail_executables(self, full: Batch, big, m: int, static_opts: dict):
+        """For a dataset run's tail at ``m`` slots: the arguments of ``m`` rows, the compiled
+        ``_advance`` and ``_finish`` of that batch size, the program that gathers rows
+        ``idx`` (int32[m]) of a running loop state laid out like ``big`` (a loop state or
+        its shapes) into one of ``m`` rows (leaves with a batch axis are gathered along it;
+        batch-level leaves, such as the loop index and adaptive K's evidence, stay), and
+        the shapes of the result. Built once per engine and shapes."""
+        args, static = self._call_args(_batch_rows(full, range(m)), **static_opts)
+        big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
+        sig = ("_tail", str(jax.tree.structure(big)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(big)),
+               m, tuple(sorted(static.items())))
+        got = self._compiled.get(sig)
+        if got is None:
+            small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
+            small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small)
+            advance = self._executable((small, *self._advance_inputs(args), np.int32(0), np.bool_(False)),
+                                       {}, "_advance")
+            finish = self._executable((small,), dict(out_cap=static["out_cap"]), "_finish")
+
+            def gather(carry, idx):
+                return jax.tree.map(lambda x, sm: _take_batch_rows(x, sm.shape, idx), carry, small)
+
+            take = jax.jit(gather).lower(big, np.zeros(m, np.int32)).compile()
+            got = self._compiled[sig] = (advance, finish, take, small)
+        return args, got
+
+    def _compile_tail(self, full: Batch, b: int, carry, static_opts: dict) -> None:
+        """Compile every program a dataset run at ``b`` slots may move its tail to."""
+        tail = self._tail_sizes(b)
+        shapes = {b: carry}
+        for size in [b] + tail:
+            for m in tail:
+                if m <= size // 2 and size in shapes:
+                    shapes[m] = self._tail_executables(full, shapes[size], m, static_opts)[1][3]
+
+    def _compile_dataset(self, full: Batch, b: int, static_opts: dict, compact: bool) -> None:
+        """The programs of ``generate_dataset(batch_size=b, compact=compact)``."""
+        _, (start, *_) = self._dataset_executables(full, b, static_opts)
+        if compact:
+            carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
+            self._compile_tail(full, b, carry, static_opts)
+
     def _one_row_args(self, full: Batch, i: int, static_opts: dict) -> tuple:
         """The arguments of ``_insert`` for dataset row ``i``. The prefill reads no costs:
         an adaptive engine gets a placeholder table of the same shape, so that inserting
@@ -636,11 +690,14 @@ class _Sharded:
         return carry.replace(**rows)
 
     def _dataset(self, full: Batch, batch_size: int, static_opts: dict, with_stats: bool,
-                 raise_on_error: bool, on_row=None) -> GenerateOutput:
+                 raise_on_error: bool, on_row=None, compact: bool = True) -> GenerateOutput:
         """Continuous batching: ``batch_size`` slots; the loop pauses when a row finishes,
         its output is read, the next prompt is prefilled into its slot (one compiled
         ``_insert``) and the loop goes on. Every row keeps its dataset key and its own
-        round / step count, so its tokens are those it gets alone."""
+        round / step count, so its tokens are those it gets alone. ``compact``: once no
+        prompt is left and at most half the slots still run, the running rows move to a
+        loop state of fewer slots (:meth:`_tail_sizes`; their state, caches and counts
+        gathered, nothing recomputed), so that the tail does not pay for idle rows."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         n = full.size
@@ -649,15 +706,18 @@ class _Sharded:
         nxt = b
         args, (start, advance, finish, insert) = self._dataset_executables(full, b, static_opts)
         one_args = lambda i: self._one_row_args(full, i, static_opts)  # noqa: E731
+        tail = self._tail_sizes(b) if compact else []
         results: list = [None] * n
         inserts = 0
+        stages = []  # (slots, loop iterations) of each batch size the run went through
+        stage_start = 0
         with self._context():
             carry = start(*args)
             rest = self._advance_inputs(args)
             while True:
                 carry = advance(carry, *rest, np.int32(2 ** 30), np.bool_(True))
                 done = np.asarray(jax.device_get(carry.state.done))
-                finished = [s for s in range(b) if slots[s] is not None and done[s]]
+                finished = [s for s in range(len(slots)) if slots[s] is not None and done[s]]
                 if finished:
                     host = _host(finish(carry))
                     for s in finished:
@@ -671,18 +731,31 @@ class _Sharded:
                             inserts += 1
                         else:
                             slots[s] = None
-                    if any(x is not None for x in slots):
-                        live = [x if x is not None else 0 for x in slots]
-                        # idle slots keep a finished row (done): its inputs are never used
-                        args_now, _ = self._call_args(_batch_rows(full, live), **static_opts)
-                        rest = self._advance_inputs(args_now)
-                if all(x is None for x in slots):
-                    break
+                    running = [s for s in range(len(slots)) if slots[s] is not None]
+                    if not running:
+                        break
+                    fits = [m for m in tail if len(running) <= m <= len(slots) // 2]
+                    if nxt >= n and fits:  # the tail: move the running rows to fewer slots
+                        m = min(fits)
+                        idle = [s for s in range(len(slots)) if slots[s] is None]
+                        idx = running + idle[: m - len(running)]  # idle rows are done: never read
+                        now = int(jax.device_get(carry.round))
+                        stages.append((len(slots), now - stage_start))
+                        stage_start = now
+                        _, (advance, finish, take, _) = self._tail_executables(full, carry, m, static_opts)
+                        carry = take(carry, np.asarray(idx, np.int32))
+                        slots = [slots[s] for s in idx]
+                    live = [x if x is not None else 0 for x in slots]
+                    # idle slots keep a finished row (done): its inputs are never used
+                    args_now, _ = self._call_args(_batch_rows(full, live), **static_opts)
+                    rest = self._advance_inputs(args_now)
             host = _host(finish(carry))
+        stages.append((len(slots), int(host["iterations"]) - stage_start))
         rows = {k: np.stack([r[k] for r in results]) for k in results[0]}
         rows.update({k: host[k] for k in BATCH_LEVEL if k in host})
         out = _to_output(rows, with_stats=with_stats, raise_on_error=raise_on_error, rows=n)
-        out.raw.update(batch_size=b, inserts=inserts)
+        out.raw.update(batch_size=b, inserts=inserts, stages=stages,
+                       slot_iterations=sum(m * it for m, it in stages))
         return out
 
     def _execute(self, batch: Batch, **opts) -> dict:
@@ -774,6 +847,18 @@ def _put_row(big, one, slot, batch: int):
     start = [jnp.int32(0)] * big.ndim
     start[diff[0]] = jnp.asarray(slot, jnp.int32)
     return jax.lax.dynamic_update_slice(big, one.astype(big.dtype), start)
+
+
+def _take_batch_rows(big, shape, idx):
+    """Rows ``idx`` of ``big`` along its batch axis: the one axis where ``big``'s shape and
+    ``shape`` (the same leaf at ``len(idx)`` rows) differ; a leaf of the same shape is
+    batch-level and stays."""
+    if big.shape == tuple(shape):
+        return big
+    diff = [a for a, (x, y) in enumerate(zip(big.shape, shape)) if x != y]
+    if big.ndim != len(shape) or len(diff) != 1 or shape[diff[0]] != idx.shape[0]:
+        raise ValueError(f"cannot take {idx.shape[0]} rows of shape {shape} from {big.shape}")
+    return jnp.take(big, idx, axis=diff[0])
 
 
 def _batch_rows(batch: Batch, idx) -> Batch:
@@ -1378,7 +1463,7 @@ class SpeculativeEngine(_Sharded):
         return _to_output(res, with_stats=True, raise_on_error=raise_on_error, rows=batch.size)
 
     def generate_dataset(self, prompts, *, batch_size: int = 16, raise_on_error=True, on_row=None,
-                         **kwargs) -> GenerateOutput:
+                         compact: bool = True, **kwargs) -> GenerateOutput:
         """Generate for a whole dataset of prompts with ``batch_size`` slots kept busy
         (continuous batching): when a row finishes (stop token or its max_new_tokens) the
         next prompt is prefilled into its slot and the loop goes on, with no retrace. Row i
@@ -1388,9 +1473,13 @@ class SpeculativeEngine(_Sharded):
         ``kwargs``: as :meth:`generate`, per-row values given for the whole dataset.
         ``on_row(i, row)``: called as row i finishes. The output lists rows in dataset
         order; ``raw`` adds ``iterations`` (loop iterations of the whole run),
-        ``batch_size``, ``inserts`` and, for this engine, ``k_rounds``."""
+        ``batch_size``, ``inserts``, ``stages`` ((slots, loop iterations) per batch size
+        the run went through), ``slot_iterations`` (their sum of slots x iterations) and,
+        for this engine, ``k_rounds``. ``compact``: when no prompt is left, the running
+        rows move to fewer slots (b/2, b/4, ... with k="auto" only sizes with a cost table),
+        each size compiled once per engine; the rows' tokens do not change."""
         full = self.prepare(prompts, **kwargs)
-        return self._dataset(full, batch_size, {}, True, raise_on_error, on_row)
+        return self._dataset(full, batch_size, {}, True, raise_on_error, on_row, compact)
 
     def has_costs(self, batch_size: int) -> bool:
         """Adaptive K: a cost table for this batch size is set or saved (no measuring)."""
@@ -1406,16 +1495,16 @@ class SpeculativeEngine(_Sharded):
         return TokenStream(self._stream(batch, chunk, {}, True, raise_on_error))
 
     def compile(self, prompts, *, stream: bool = False, dataset_batch: Optional[int] = None,
-                **kwargs) -> None:
+                compact: bool = True, **kwargs) -> None:
         """Compile the program :meth:`generate` runs for these arguments (the same shapes and
         static settings: buckets, not values) without running it, so that such a
         ``generate`` then spends its time decoding; ``stream=True``: the programs of
         :meth:`stream` instead; ``dataset_batch=B``: those of
-        ``generate_dataset(prompts, batch_size=B)``. With ``k="auto"`` this also
+        ``generate_dataset(prompts, batch_size=B, compact=compact)``. With ``k="auto"`` this also
         measures the round costs for that batch size if none are known (:meth:`costs_for`)."""
         batch = self.prepare(prompts, **kwargs)
         if dataset_batch is not None:
-            self._dataset_executables(batch, min(dataset_batch, batch.size), {})
+            self._compile_dataset(batch, min(dataset_batch, batch.size), {}, compact)
             return
         args, static = self._call_args(batch)
         self._stream_executables(args, static) if stream else self._executable(args, static)
@@ -1527,11 +1616,11 @@ class AutoregressiveEngine(_Sharded):
         return _to_output(res, with_stats=False, raise_on_error=raise_on_error, rows=batch.size)
 
     def generate_dataset(self, prompts, *, batch_size: int = 16, greedy=False, raise_on_error=True,
-                         on_row=None, **kwargs) -> GenerateOutput:
+                         on_row=None, compact: bool = True, **kwargs) -> GenerateOutput:
         """As :meth:`SpeculativeEngine.generate_dataset` (row i's step t draws with its
         dataset key, so its tokens are those it gets alone)."""
         full = self.prepare(prompts, **kwargs)
-        return self._dataset(full, batch_size, dict(greedy=greedy), False, raise_on_error, on_row)
+        return self._dataset(full, batch_size, dict(greedy=greedy), False, raise_on_error, on_row, compact)
 
     def stream(self, prompts, *, chunk: int = 8, greedy=False, raise_on_error=True,
                **kwargs) -> "TokenStream":
@@ -1540,11 +1629,11 @@ class AutoregressiveEngine(_Sharded):
         return TokenStream(self._stream(batch, chunk, dict(greedy=greedy), False, raise_on_error))
 
     def compile(self, prompts, *, greedy=False, stream: bool = False,
-                dataset_batch: Optional[int] = None, **kwargs) -> None:
+                dataset_batch: Optional[int] = None, compact: bool = True, **kwargs) -> None:
         """As :meth:`SpeculativeEngine.compile`."""
         batch = self.prepare(prompts, **kwargs)
         if dataset_batch is not None:
-            self._dataset_executables(batch, min(dataset_batch, batch.size), dict(greedy=greedy))
+            self._compile_dataset(batch, min(dataset_batch, batch.size), dict(greedy=greedy), compact)
             return
         args, static = self._call_args(batch, greedy)
         self._stream_executables(args, static) if stream else self._executable(args, static)

@@ -39,6 +39,13 @@ def test_rows_equal_one_row_runs(models, which):
     assert sorted(seen) == list(range(len(prompts))) and seen != list(range(len(prompts)))  # refilled out of order
     assert out.raw["inserts"] == len(prompts) - 4 and out.raw["batch_size"] == 4
     assert any(out.finished_by_stop) and not all(out.finished_by_stop)
+    # the tail moved to fewer slots (4 -> 2 -> 1 here), and the stages add up
+    sizes = [m for m, _ in out.raw["stages"]]
+    assert sizes[0] == 4 and len(sizes) > 1 and sizes == sorted(sizes, reverse=True), out.raw["stages"]
+    assert sum(it for _, it in out.raw["stages"]) == out.raw["iterations"]
+    assert out.raw["slot_iterations"] == sum(m * it for m, it in out.raw["stages"])
+    whole = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=False, **kw)
+    assert whole.tokens == out.tokens and whole.raw["stages"] == [(4, whole.raw["iterations"])]
     for i, p in enumerate(prompts):
         one = eng.generate([p], row_indices=[i], max_new_tokens=int(max_new[i]), **kw)
         assert one.tokens[0] == out.tokens[i], i
@@ -62,3 +69,13 @@ def test_batch_of_one_and_larger_than_the_dataset(models):
     assert eng.generate_dataset(prompts, batch_size=64, **kw).tokens == ref
     with pytest.raises(ValueError, match="batch_size"):
         eng.generate_dataset(prompts, batch_size=0, **kw)
+
+
+def test_adaptive_tail_moves_only_to_sizes_with_a_cost_table(models):
+    target, draft = models
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), "token", adaptive=True)
+    assert eng._tail_sizes(16) == [s for s in (8, 4, 2, 1) if eng.has_costs(s)]
+    for s in (4, 1):
+        eng.set_costs(s, [1.0, 1.5, 2.0])
+    assert {4, 1} <= set(eng._tail_sizes(16)) and 32 not in eng._tail_sizes(16)
+    assert engine.AutoregressiveEngine(target)._tail_sizes(12) == [6, 3, 1]
