@@ -139,22 +139,24 @@ def main(argv=None) -> dict:
                     help="method tree: sampled rounds' candidates (point_mass: the top-k tree every round)")
     ap.add_argument("--tree-branching", default="2,1,1", help="method tree: a sampled tree's branching per level")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--prompts", type=int, default=4, help="generate calls profiled (one prompt each)")
+    ap.add_argument("--prompts", type=int, default=4, help="generate calls profiled")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate call (rows)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--no-hlo", action="store_true", help="skip compiling again for the op names")
     ap.add_argument("--out", default="out/profile", help="trace directory (and summary.json)")
     a = ap.parse_args(argv)
-    if a.k < 1 or a.prompts < 1 or a.tokens < 2:
-        ap.error("--k and --prompts must be >= 1 and --tokens >= 2")
+    if a.k < 1 or a.prompts < 1 or a.tokens < 2 or a.batch < 1:
+        ap.error("--k, --prompts and --batch must be >= 1 and --tokens >= 2")
 
     from specjax import sampling
 
     target, tok, _ = load_target(a.model)
     draft, ddesc = resolve_draft(a.draft, target)
-    cfg = BenchConfig(num_prompts=a.prompts)
+    cfg = BenchConfig(num_prompts=max(a.prompts, a.batch))
     _, ids = build_prompts(cfg, tok, target.vocab_size)
-    sp = sampling.SamplingParams.create(1, temperature=a.temperature)
+    rows = lambda i: [ids[(i + j) % len(ids)] for j in range(a.batch)]  # noqa: E731
+    sp = sampling.SamplingParams.create(a.batch, temperature=a.temperature)
     if a.method == "tree":
         from specjax.drafts.trees import make_tree_proposer
 
@@ -166,11 +168,11 @@ def main(argv=None) -> dict:
     rounds = []
 
     def spec(i):
-        out = eng.generate([ids[i]], seed=i, sampling_params=sp, max_new_tokens=a.tokens)
-        rounds.append(out.stats[0].rounds)
+        out = eng.generate(rows(i), seed=i, sampling_params=sp, max_new_tokens=a.tokens)
+        rounds.append(int(out.raw["iterations"]))
 
     def ar(i):
-        generate_autoregressive(target, [ids[i]], seed=i, sampling_params=sp, max_new_tokens=a.tokens)
+        generate_autoregressive(target, rows(i), seed=i, sampling_params=sp, max_new_tokens=a.tokens)
 
     t0 = time.time()
     for i in range(a.prompts):  # compile (every prompt bucket) and warm up
@@ -185,10 +187,10 @@ def main(argv=None) -> dict:
     ar_wall = time.time() - t0
     hlo = {}
     if not a.no_hlo:
-        hlo = hlo_op_names(eng.lower([ids[0]], seed=0, sampling_params=sp, max_new_tokens=a.tokens)
+        hlo = hlo_op_names(eng.lower(rows(0), seed=0, sampling_params=sp, max_new_tokens=a.tokens)
                            .compile().as_text())
-    print(f"[profile] speculative K={a.k} T={a.temperature}: {sum(rounds)} rounds for "
-          f"{a.prompts} x {a.tokens} tokens ({a.prompts * a.tokens / sum(rounds):.2f} tokens/round); "
+    print(f"[profile] speculative K={a.k} T={a.temperature} batch {a.batch}: {sum(rounds)} rounds for "
+          f"{a.prompts} x {a.tokens} tokens per row ({a.prompts * a.tokens / sum(rounds):.2f} tokens/round per row); "
           f"wall with the profiler on: speculative {spec_wall:.2f}s, autoregressive {ar_wall:.2f}s")
     b = breakdown(*self_times(spec_trace), a.prompts)
     summary = dict(args=vars(a), rounds=sum(rounds),
