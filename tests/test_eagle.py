@@ -35,7 +35,7 @@ def _head(tgt, seed=1, **kw):
 EAGLE3 = (1, 0, 2)
 
 
-@pytest.mark.parametrize("feature_layers", [(), (1, 0)])
+@pytest.mark.parametrize("feature_layers", [(), (1, 0)], ids=["eagle", "eagle3"])
 def test_unrolled_matches_the_cached_chain(feature_layers):
     """Step j of the training pass at position p == the proposer's chain rooted at p-j+1
     (target features at the root, fused for EAGLE-3; the head's own outputs after it)."""
@@ -75,7 +75,7 @@ PROMPT = [1, 5, 2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers", [(), EAGLE3])
+@pytest.mark.parametrize("layers", [(), EAGLE3], ids=["eagle", "eagle3"])
 def test_eagle_engine_law(layers):
     """100k rows, K=2, N=4 tokens (>= 2 rounds: rollback and true-feature re-feeding are
     exercised); the head scores a 6-of-8 token subset, so q is 0 on two tokens: still exact."""
@@ -97,7 +97,7 @@ def test_eagle_engine_law(layers):
     assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
-@pytest.mark.parametrize("layers", [(), EAGLE3])
+@pytest.mark.parametrize("layers", [(), EAGLE3], ids=["eagle", "eagle3"])
 def test_draft_file_roundtrip(tmp_path, layers):
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     em = _head(tgt, vocab_subset=40, feature_layers=layers)
@@ -189,7 +189,8 @@ def test_a_missing_shipped_draft_falls_back_to_prompt_lookup(monkeypatch):
         assert files.default_draft_for(tgt) == "lookup"
 
 
-@pytest.mark.parametrize("kernels, layers", [("kernel", ()), ("xla", ()), ("kernel", (1, 0)), ("xla", (1, 0))])
+@pytest.mark.parametrize("kernels, layers", [("kernel", ()), ("xla", ()), ("kernel", (1, 0)), ("xla", (1, 0))],
+                         ids=["kernel", "xla", "kernel-eagle3", "xla-eagle3"])
 def test_tree_call_node_equals_its_path_alone(kernels, layers, monkeypatch):
     """EagleHead.tree_call (the attention kernel with a tree mask, or XLA's): each node's
     output equals feeding its path's pairs one after the other from the same prefix."""
