@@ -5,6 +5,13 @@ The engine sees a model only through :class:`LanguageModel`:
 * ``init_cache(batch, max_len)`` -> :class:`KVCache`
 * ``apply(params, tokens[B, T], cache, return_hidden=False) -> ModelOutput``
 
+``return_hidden`` asks for hidden states from the same forward (no extra pass): ``False``
+none, ``True`` the final hidden states (after the final norm), or a tuple of hidden-state
+indices numbered as transformers' ``output_hidden_states`` (0: the embeddings; i in
+1..L-1: the residual stream after decoder layer i; L: after the final norm, i.e. what
+``True`` gives), returned concatenated on the feature axis in the order given ([B, T,
+n * D]). :func:`hidden_indices` normalizes the argument.
+
 ``apply`` is a *pure* function of ``params`` (the ``nnx.State`` from one
 ``nnx.split``), safe to call inside ``jax.jit`` / ``lax.while_loop`` / ``lax.scan``.
 Token ``t`` of row ``b`` is written to cache slot ``cache.lengths[b] + t`` and sits at
@@ -25,6 +32,7 @@ from typing import Any, NamedTuple, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -96,7 +104,29 @@ def move_slots(cache: KVCache, start, src, num) -> KVCache:
 class ModelOutput(NamedTuple):
     logits: jax.Array  # float32[B, T, V]
     cache: KVCache
-    hidden: Optional[jax.Array]  # [B, T, D] final hidden states (after the final norm) or None
+    # [B, T, D] final hidden states (after the final norm) for return_hidden=True; [B, T, n * D]
+    # for a tuple of n hidden-state indices (see the module docstring); None for False
+    hidden: Optional[jax.Array]
+
+
+def hidden_indices(return_hidden, n_layers: int) -> Optional[tuple]:
+    """``apply``'s ``return_hidden`` as a tuple of hidden-state indices (``True`` is
+    ``(n_layers,)``: after the final norm) or None (``False``, ``None`` or ``()``). A
+    ValueError for anything else or an index outside ``0..n_layers``."""
+    if return_hidden is None or return_hidden is False:
+        return None
+    if return_hidden is True:
+        return (n_layers,)
+    try:
+        idx = tuple(return_hidden)
+    except TypeError:
+        raise ValueError(f"return_hidden must be a bool or a tuple of hidden-state indices, "
+                         f"got {return_hidden!r}") from None
+    for i in idx:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i <= n_layers:
+            raise ValueError(f"hidden-state index {i!r} outside 0..{n_layers} (0: embeddings, i: after "
+                             f"layer i, {n_layers}: after the final norm)")
+    return tuple(int(i) for i in idx) or None
 
 
 class LanguageModel(Protocol):
@@ -108,7 +138,7 @@ class LanguageModel(Protocol):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache: ...
 
-    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False) -> ModelOutput: ...
+    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden=False) -> ModelOutput: ...
 
     # optional: ``supports_tree = True`` and ``apply(..., tree=TreeAttention)`` (see above)
 
@@ -125,7 +155,7 @@ def prefill(model, params, tokens, lengths, cache: KVCache, *, chunk: int = PREF
     over ``ceil(max(lengths) / chunk)`` chunks (chunks past the longest prompt are skipped,
     so a prompt is not paid at its bucket's size), each attending to the slots written so
     far: activations and attention scores are bounded by the chunk, not the square of the
-    prompt. ``hidden`` ([B, P, D], the final hidden states, when ``return_hidden``) has
+    prompt. ``hidden`` ([B, P, D'], what ``apply`` returns for ``return_hidden``) has
     the same values at the real positions either way. The returned cache's lengths are
     unspecified: callers set them (e.g. to ``lengths - 1``). Slots past a row's length
     hold padding KV that later writes overwrite, as with one forward."""

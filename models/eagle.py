@@ -1,7 +1,8 @@
 """EAGLE-style feature head (Flax NNX): a one- or two-layer draft that reads the target's
-final hidden states.
+hidden states; EAGLE-1/2 style (the final hidden states) or EAGLE-3 style (several layers'
+hidden states fused), by ``EagleConfig.feature_layers``.
 
-At sequence position t the head takes the pair ``(h_t, x_{t+1})``: ``h_t`` the target's
+EAGLE-1/2 (``feature_layers == ()``). At sequence position t the head takes the pair ``(h_t, x_{t+1})``: ``h_t`` the target's
 final hidden state (after its final norm) once it has read ``s[:t+1]``, and the next token.
 It predicts ``h_{t+1}``; the logits of ``s[t+2]`` are the predicted hidden state times the
 target's (frozen) output head::
@@ -14,6 +15,26 @@ never exported: :func:`EagleModel.trainable_weights` is what a draft file holds)
 Optionally the head scores only a subset of the vocabulary (``token_map``: the most
 frequent tokens); every other token gets probability 0, which keeps speculative sampling
 exact (the verifier only needs the true q) and cuts the draft's head cost.
+
+EAGLE-3 (``feature_layers``: hidden-state indices of the target, numbered as
+:func:`specjax.models.base.hidden_indices`, e.g. an early, a middle and a late one). The
+head's input at position t is the concatenation ``g_t`` of those hidden states [n*D],
+fused to the model width, and the next token; the decoder layer's attention reads the
+normed token embedding and the normed feature side by side [2D] while its residual
+stream carries the feature (Li et al. 2025)::
+
+    f_t = fc(g_t)  [n*D -> D]
+    a = concat(RMSNorm_e(embed(x_{t+1})), RMSNorm(f_t))  [2D] -> q, k, v (RoPE position t)
+    o_t = f_t + attn(a) ; o_t += MLP(RMSNorm(o_t))     (every layer of the head reads the
+                                                         embedding the same way)
+    logits = RMSNorm_out(o_t) @ head.T
+
+At later draft positions the head is fed its OWN layer output ``o`` in place of ``f``
+(there is no target feature there), as EAGLE-3 does; there is no single target feature
+for ``o`` to match, so training uses the token law only. Either way the head's features
+live in one space: :meth:`EagleHead.fuse` maps the target's hidden states into it (the
+identity for EAGLE-1/2), ``__call__`` / ``tree_call`` / ``unrolled`` take and return
+features of that space, and :meth:`EagleHead.logits` reads them out.
 
 :meth:`EagleModel.apply` is the cached step the proposer uses; :meth:`EagleModel.unrolled`
 is the teacher-forced training / evaluation pass that also trains (and measures) draft
@@ -39,8 +60,13 @@ from specjax.models.llama import (LlamaConfig, RopeScaling, _linear, apply_rope,
                                   rope_tables)
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
-# the same names as specjax.models.llama's canonical weights
+# the same names as specjax.models.llama's canonical weights; an EAGLE-3 head adds emb_norm
+# (the token embedding's norm) and its wq / wk / wv read [2D] (embedding, then feature)
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def layer_keys(cfg: "EagleConfig") -> tuple:
+    return LAYER_KEYS + (("emb_norm",) if cfg.feature_layers else ())
 
 
 def _np(x):
@@ -71,6 +97,9 @@ class Layer(nnx.Module):
         pd = cfg.weight_dtype
         t = lambda a: jnp.asarray(np.ascontiguousarray(_np(a).T), pd)
         self.attn_norm = _param(jnp.asarray(w["attn_norm"], pd), ("embed",))
+        self.fused_input = "emb_norm" in w  # EAGLE-3: attention reads [embedding, feature]
+        if self.fused_input:
+            self.emb_norm = _param(jnp.asarray(w["emb_norm"], pd), ("embed",))
         self.mlp_norm = _param(jnp.asarray(w["mlp_norm"], pd), ("embed",))
         self.wq = _param(t(w["wq"]), ("embed", "heads"))
         self.wk = _param(t(w["wk"]), ("embed", "kv_heads"))
@@ -85,19 +114,25 @@ class Layer(nnx.Module):
                ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
         out["attn_norm"] = _np(self.attn_norm[...])
         out["mlp_norm"] = _np(self.mlp_norm[...])
+        if self.fused_input:
+            out["emb_norm"] = _np(self.emb_norm[...])
         return out
 
-    def __call__(self, x, k_all, v_all, layer, slots, cos, sin, mask, kernel=None):
+    def __call__(self, x, k_all, v_all, layer, slots, cos, sin, mask, kernel=None, emb=None):
         """``mask`` [B, T, S]: the visible slots (XLA's attention). ``kernel``: ``(positions,
         tree)`` when the visibility is causal by position (``tree`` None) or a draft tree's
         (``(lengths, mask, region_depth)``, as :func:`specjax.models.llama._tree_visible`):
-        then the CPU attention kernel runs where the target's would (float32), else XLA."""
+        then the CPU attention kernel runs where the target's would (float32), else XLA.
+        ``emb`` [B, T, D] (EAGLE-3 layers only): the token embeddings, normed and read by the
+        attention beside the normed ``x``."""
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T, D = x.shape
         N, Nkv, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         ck = cfg.cpu_kernels  # small float32 matmuls (the proposer's M <= 16) use the CPU kernel
         h = rms_norm(x, self.attn_norm[...], cfg.norm_eps, cpu_kernels=ck)
+        if self.fused_input:
+            h = jnp.concatenate([rms_norm(emb, self.emb_norm[...], cfg.norm_eps, cpu_kernels=ck), h], axis=-1)
         q = apply_rope(_linear(h, self.wq[...], ck).reshape(B, T, N, H), cos, sin)
         k = apply_rope(_linear(h, self.wk[...], ck).reshape(B, T, Nkv, H), cos, sin)
         v = _linear(h, self.wv[...], ck).reshape(B, T, Nkv, H)
@@ -138,12 +173,25 @@ class EagleConfig:
     vocab_subset: int = 0  # 0: the full vocabulary; else the size of token_map
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # () : EAGLE-1/2 (the target's final hidden states); else EAGLE-3: the target's hidden
+    # states with these indices (specjax.models.base.hidden_indices), fused by fc
+    feature_layers: tuple = ()
 
     def __post_init__(self):
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             v = getattr(self, f)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"EagleConfig.{f} must be a positive int, got {v!r}")
+        fl = self.feature_layers
+        if fl is None or isinstance(fl, (str, bytes)) or not hasattr(fl, "__iter__"):
+            raise ValueError(f"EagleConfig.feature_layers must be a list of hidden-state indices, got {fl!r}")
+        fl = tuple(fl)
+        for i in fl:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
+                raise ValueError(f"EagleConfig.feature_layers must hold hidden-state indices >= 0, got {i!r}")
+        if len(set(fl)) != len(fl):
+            raise ValueError(f"EagleConfig.feature_layers has a repeated index: {list(fl)}")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in fl))
         if not isinstance(self.vocab_subset, (int, np.integer)) or not 0 <= self.vocab_subset <= self.vocab_size:
             raise ValueError(f"EagleConfig.vocab_subset must be in [0, vocab_size={self.vocab_size}], "
                              f"got {self.vocab_subset!r}")
@@ -171,8 +219,19 @@ class EagleConfig:
             dtype=self.dtype, param_dtype=self.param_dtype, name="eagle",
         )
 
+    @property
+    def eagle3(self) -> bool:
+        """EAGLE-3 style: fused hidden states of several target layers."""
+        return bool(self.feature_layers)
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target features the head reads (``n * dim`` for EAGLE-3)."""
+        return self.dim * max(1, len(self.feature_layers))
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
         return d
 
     @classmethod
@@ -191,21 +250,27 @@ def target_head(target) -> np.ndarray:
 
 
 def trainable_shapes(cfg: EagleConfig) -> dict:
-    """The shape of every trainable weight of a head: fc [2D, D] ([in, out]), out_norm [D],
-    and the canonical layer tensors (stacked over layers)."""
+    """The shape of every trainable weight of a head: fc ([in, out]: [2D, D], EAGLE-3
+    [n*D, D]), out_norm [D], and the canonical layer tensors (stacked over layers; EAGLE-3:
+    wq / wk / wv read [2D] and emb_norm [L, D])."""
     lcfg = cfg.layer_config()
     D, F, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
     NH, KH = lcfg.n_heads * lcfg.head_dim, lcfg.n_kv_heads * lcfg.head_dim
-    return dict(wq=(L, NH, D), wk=(L, KH, D), wv=(L, KH, D), wo=(L, D, NH), w_gate=(L, F, D),
-                w_up=(L, F, D), w_down=(L, D, F), attn_norm=(L, D), mlp_norm=(L, D),
-                fc=(2 * D, D), out_norm=(D,))
+    A = 2 * D if cfg.eagle3 else D  # the attention's input width
+    out = dict(wq=(L, NH, A), wk=(L, KH, A), wv=(L, KH, A), wo=(L, D, NH), w_gate=(L, F, D),
+               w_up=(L, F, D), w_down=(L, D, F), attn_norm=(L, D), mlp_norm=(L, D),
+               fc=(cfg.feature_dim if cfg.eagle3 else 2 * D, D), out_norm=(D,))
+    if cfg.eagle3:
+        out["emb_norm"] = (L, D)
+    return out
 
 
 def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True) -> dict:
     """Random trainable weights (shapes: :func:`trainable_shapes`).
 
     ``copy_feature``: fc starts as "pass the feature through" (the head first predicts
-    h_{t+1} ~ h_t); otherwise fc is a plain random matrix."""
+    h_{t+1} ~ h_t; EAGLE-3: fc passes the deepest of the feature layers through); otherwise
+    fc is a plain random matrix."""
     D, L = cfg.dim, cfg.n_layers
     shapes = {k: v for k, v in trainable_shapes(cfg).items()
               if k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
@@ -224,8 +289,14 @@ def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True)
     out["w_down"] = out["w_down"] * 0.1
     out["attn_norm"] = np.ones_like(out["attn_norm"])
     out["mlp_norm"] = np.ones_like(out["mlp_norm"])
+    if cfg.eagle3:
+        n = len(cfg.feature_layers)
+        fc = np.asarray(jax.random.normal(k, (n * D, D), jnp.float32)) * (0.1 / math.sqrt(n * D))
+        deepest = int(np.argmax(cfg.feature_layers))
+        fc[deepest * D:(deepest + 1) * D] += np.eye(D, dtype=np.float32)
+        out["emb_norm"] = np.ones((L, D), np.float32)
     if not copy_feature:
-        fc = np.asarray(jax.random.normal(jax.random.fold_in(k, 1), (2 * D, D), jnp.float32)) / math.sqrt(2 * D)
+        fc = np.asarray(jax.random.normal(jax.random.fold_in(k, 1), fc.shape, jnp.float32)) / math.sqrt(fc.shape[0])
     out["fc"] = fc
     out["out_norm"] = np.ones((D,), np.float32)
     return out
@@ -257,16 +328,37 @@ class EagleHead(nnx.Module):
             self.head_sub = Frozen(jnp.asarray(np.ascontiguousarray(hm[tm].T), pd))
         self.fc = _param(jnp.asarray(trainable["fc"], pd), (None, "embed"))
         self.out_norm = _param(jnp.asarray(trainable["out_norm"], pd), ("embed",))
-        for k in LAYER_KEYS:
+        keys = layer_keys(cfg)
+        for k in keys:
             if np.shape(trainable[k])[0] != cfg.n_layers:
                 raise ValueError(f"layer tensor {k} has {np.shape(trainable[k])[0]} layers, "
                                  f"config says {cfg.n_layers}")
-        self.layers = nnx.List([Layer(lcfg, {k: trainable[k][i] for k in LAYER_KEYS})
+        self.layers = nnx.List([Layer(lcfg, {k: trainable[k][i] for k in keys})
                                 for i in range(cfg.n_layers)])
 
     # ------------------------------------------------------------------ pieces
+    def fuse(self, target_hidden):
+        """The target's hidden states (``[..., feature_dim]``: what the engine's
+        ``return_hidden`` gives for the proposer) -> the head's feature [..., D]: the identity
+        for EAGLE-1/2, ``fc`` of the concatenated layers for EAGLE-3."""
+        if not self.cfg.eagle3:
+            return target_hidden
+        lcfg = self.cfg.layer_config()
+        x = target_hidden.astype(lcfg.compute_dtype)
+        lead = x.shape[:-1]
+        y = _linear(x.reshape(1, -1, x.shape[-1]), self.fc[...], lcfg.cpu_kernels)
+        return y.reshape(lead + (y.shape[-1],))
+
+    def readout(self, h):
+        """A feature -> the hidden state the output head reads (EAGLE-3: the output norm;
+        EAGLE-1/2 features are already normed)."""
+        if not self.cfg.eagle3:
+            return h
+        return rms_norm(h, self.out_norm[...], self.cfg.norm_eps, cpu_kernels=self.cfg.layer_config().cpu_kernels)
+
     def logits(self, h):
-        """[..., D] -> [..., Vs] float32 logits over the scored tokens."""
+        """[..., D] features -> [..., Vs] float32 logits over the scored tokens."""
+        h = self.readout(h)
         if self.cfg.vocab_subset:
             w = self.head_sub[...]
             lead = h.shape[:-1]
@@ -284,20 +376,30 @@ class EagleHead(nnx.Module):
         return full.at[..., self.token_map[...]].set(lg)
 
     def _inputs(self, hidden, tokens):
+        """The layers' input: EAGLE-1/2 ``fc(concat(h, embed(x)))``; EAGLE-3 the pair
+        (feature, embedding), read side by side by each layer's attention."""
         dt = self.cfg.layer_config().compute_dtype
         e = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        if self.cfg.eagle3:
+            return hidden.astype(dt), e
         x = jnp.concatenate([hidden.astype(dt), e], axis=-1)
         return _linear(x, self.fc[...], self.cfg.layer_config().cpu_kernels)
 
     def _layers(self, x, k_all, v_all, slots, cos, sin, mask, kernel=None):
+        """-> (the head's output feature, caches): EAGLE-1/2 normed (a predicted final hidden
+        state), EAGLE-3 the last layer's residual stream (:meth:`readout` norms it)."""
+        x, emb = x if self.cfg.eagle3 else (x, None)
         for i, blk in enumerate(self.layers):
-            x, k_all, v_all = blk(x, k_all, v_all, i, slots, cos, sin, mask, kernel)
+            x, k_all, v_all = blk(x, k_all, v_all, i, slots, cos, sin, mask, kernel, emb)
+        if self.cfg.eagle3:
+            return x, k_all, v_all
         return rms_norm(x, self.out_norm[...], self.cfg.norm_eps, cpu_kernels=self.cfg.layer_config().cpu_kernels), k_all, v_all
 
     # ------------------------------------------------------------------ cached step
     def __call__(self, hidden, tokens, cache: KVCache):
-        """hidden [B, T, D] (target or predicted features at positions lengths+t), tokens
-        [B, T] (the token after each) -> predicted next hidden [B, T, D], new cache."""
+        """hidden [B, T, D] (features at positions lengths+t: the target's through
+        :meth:`fuse`, or the head's own), tokens [B, T] (the token after each) -> the head's
+        next feature [B, T, D] (its logits: :meth:`logits`), new cache."""
         lcfg = self.cfg.layer_config()
         B, T = tokens.shape
         S = cache.max_len
@@ -334,10 +436,11 @@ class EagleHead(nnx.Module):
     def unrolled(self, hidden, tokens, n_steps: int):
         """Teacher-forced pass over whole sequences for draft positions 1..n_steps.
 
-        hidden [B, T, D]: target features h_p; tokens [B, T]: s_{p+1} (the token after
-        position p). Returns [n_steps, B, T, D]: entry (j-1, b, p) is the head's prediction
-        of h_{p+1} at draft position j, i.e. fed true features up to position p-j+1 and its
-        own predictions after that (valid for p >= j-1)."""
+        hidden [B, T, feature_dim]: the target's hidden states at p (fused by :meth:`fuse`);
+        tokens [B, T]: s_{p+1} (the token after position p). Returns [n_steps, B, T, D]: entry
+        (j-1, b, p) is the head's output feature after position p at draft position j (its
+        logits are the law of s_{p+2}), i.e. fed true features up to position p-j+1 and its
+        own outputs after that (valid for p >= j-1)."""
         lcfg = self.cfg.layer_config()
         dt = lcfg.compute_dtype
         B, T = tokens.shape
@@ -351,7 +454,7 @@ class EagleHead(nnx.Module):
         p = jnp.arange(T)[:, None]  # query position
         q = jnp.arange(T)[None, :]  # key position within a step block
         outs = []
-        feat = hidden
+        feat = self.fuse(hidden)
         for j in range(1, n + 1):
             blocks = []
             for m in range(1, n + 1):
@@ -372,7 +475,7 @@ class EagleHead(nnx.Module):
     # ------------------------------------------------------------------ export
     def trainable_weights(self) -> dict:
         per = [b.canonical() for b in self.layers]
-        out = {k: np.stack([p[k] for p in per]) for k in LAYER_KEYS}
+        out = {k: np.stack([p[k] for p in per]) for k in layer_keys(self.cfg)}
         out["fc"] = _np(self.fc[...])
         out["out_norm"] = _np(self.out_norm[...])
         return out
@@ -406,6 +509,9 @@ class EagleModel:
             raise ValueError(
                 f"EAGLE head (V={config.vocab_size}, D={config.dim}) does not fit the target "
                 f"(V={tcfg.vocab_size}, D={tcfg.dim})")
+        if any(i > tcfg.n_layers for i in config.feature_layers):
+            raise ValueError(f"EAGLE head feature_layers {list(config.feature_layers)} do not fit the "
+                             f"target's {tcfg.n_layers} layers (hidden-state indices 0..{tcfg.n_layers})")
         w = target.canonical_weights()
         head = None if tcfg.tie_embeddings else w["lm_head"]
         return cls.build(config, w["embed"], head, trainable, token_map, seed)
@@ -423,8 +529,19 @@ class EagleModel:
         dt = lc.compute_dtype
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
 
+    @property
+    def hidden_layers(self) -> Optional[tuple]:
+        """The target hidden states the head reads, as ``return_hidden`` takes them: None for
+        the final ones (EAGLE-1/2, ``return_hidden=True``), else the feature layers."""
+        return self.config.feature_layers or None
+
     def apply(self, params, hidden, tokens, cache: KVCache):
+        """The cached step on head features (:meth:`EagleHead.__call__`)."""
         return self.module(params)(hidden, jnp.asarray(tokens, jnp.int32), cache)
+
+    def fuse(self, params, target_hidden):
+        """The target's hidden states -> head features (:meth:`EagleHead.fuse`)."""
+        return self.module(params).fuse(target_hidden)
 
     def full_logits(self, params, h):
         return self.module(params).full_logits(h)

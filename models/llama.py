@@ -11,7 +11,9 @@ the :class:`specjax.models.base.LanguageModel` contract through :class:`LlamaLM`
   from the *canonical* weight dict (below) that every loader produces;
 * ``lm.init_cache(batch, max_len)`` -> :class:`KVCache`;
 * ``lm.apply(params, tokens[B, T], cache, return_hidden=False)`` -> :class:`ModelOutput`,
-  a pure function of ``params`` (``lm.params``, the state of one ``nnx.split``).
+  a pure function of ``params`` (``lm.params``, the state of one ``nnx.split``);
+  ``return_hidden`` may name several layers' hidden states, taken in the same pass
+  (:func:`specjax.models.base.hidden_indices`; unrolled and scanned layers alike).
 
 Canonical weights (numpy or jax arrays, PyTorch ``[out, in]`` orientation, per-layer
 tensors stacked on a leading ``L`` axis)::
@@ -59,7 +61,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
-from specjax.models.base import KVCache, ModelOutput, TreeAttention
+from specjax.models.base import KVCache, ModelOutput, TreeAttention, hidden_indices
 from specjax.models.cpu_kernels import (KERNEL_MODES, attention_raw, rms_norm_raw, small_matmul, use_attention,
                                         use_rms_norm, use_small_matmul)
 
@@ -831,11 +833,19 @@ class Llama(nnx.Module):
             out["lm_head"] = np.ascontiguousarray(_np(self.lm_head[...]).T)
         return out
 
-    def __call__(self, tokens, cache: KVCache, return_hidden: bool = False,
+    def __call__(self, tokens, cache: KVCache, return_hidden=False,
                  tree: Optional[TreeAttention] = None) -> ModelOutput:
+        """``return_hidden``: False, True (the final hidden states) or a tuple of hidden-state
+        indices (:func:`specjax.models.base.hidden_indices`), concatenated on the feature axis."""
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T = tokens.shape
+        L = cfg.n_layers
+        want = hidden_indices(return_hidden, L)
+        # indices inside the stack (0: the embeddings; 1..L-1: after that layer); L is the
+        # final norm's output, taken at the end
+        inner = sorted({i for i in (want or ()) if i < L})
+        states = {}
         lengths = cache.lengths.astype(jnp.int32)
         if tree is None:
             positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
@@ -855,13 +865,22 @@ class Llama(nnx.Module):
         if cfg.embed_scale:
             x = x * jnp.asarray(math.sqrt(cfg.dim), dt)
         x = constrain(x, ("batch", None, "embed"))
+        if 0 in inner:
+            states[0] = x
         k_all, v_all = cache.k, cache.v
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
             mixed = len(set(sliding)) > 1  # per-layer window / tables chosen from a scanned flag
+            # hidden states after layers inside the stack: an [n, B, T, D] slot per index in
+            # the carry, set at its layer (a select per layer; no [L, B, T, D] stack)
+            taken = [i for i in inner if i > 0]
+            grab = jnp.asarray(taken, jnp.int32)
 
             def body(carry, xs):
-                x, k_all, v_all = carry
+                if taken:
+                    (x, k_all, v_all), acc = carry
+                else:
+                    x, k_all, v_all = carry
                 st, i, is_sliding = xs
                 blk = nnx.merge(graphdef, st)
                 if mixed:
@@ -871,20 +890,34 @@ class Llama(nnx.Module):
                     window, c, s = cfg.sliding_window, cos_l, sin_l
                 else:
                     window, c, s = None, cos, sin
-                return blk(x, k_all, v_all, i, positions, c, s, window, tv), None
+                out = blk(x, k_all, v_all, i, positions, c, s, window, tv)
+                if taken:
+                    acc = jnp.where((grab == i + 1)[:, None, None, None], out[0][None], acc)
+                    return (out, acc), None
+                return out, None
 
-            (x, k_all, v_all), _ = jax.lax.scan(
-                body, (x, k_all, v_all),
+            carry = (x, k_all, v_all)
+            if taken:
+                carry = (carry, jnp.zeros((len(taken),) + x.shape, x.dtype))
+            carry, _ = jax.lax.scan(
+                body, carry,
                 (state, jnp.arange(cfg.n_layers, dtype=jnp.int32), jnp.asarray(sliding, bool)),
             )
+            if taken:
+                carry, acc = carry
+                states.update({j: acc[n] for n, j in enumerate(taken)})
+            x, k_all, v_all = carry
         else:
             for i, blk in enumerate(self.layers):
                 if sliding[i]:
                     x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos_l, sin_l, cfg.sliding_window, tv)
                 else:
                     x, k_all, v_all = blk(x, k_all, v_all, i, positions, cos, sin, None, tv)
+                if i + 1 in inner:
+                    states[i + 1] = x
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset, cfg.cpu_kernels)
+        states[L] = x
         head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
         x2 = x.reshape(B * T, -1)
         if use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
@@ -894,8 +927,10 @@ class Llama(nnx.Module):
         if cfg.final_softcap:
             logits = _softcap(logits.astype(jnp.float32), cfg.final_softcap)
         new_cache = KVCache(k=k_all, v=v_all, lengths=lengths + T if tree is None else lengths)
-        return ModelOutput(logits=logits.astype(jnp.float32), cache=new_cache,
-                           hidden=x if return_hidden else None)
+        hidden = None
+        if want is not None:
+            hidden = states[want[0]] if len(want) == 1 else jnp.concatenate([states[i] for i in want], axis=-1)
+        return ModelOutput(logits=logits.astype(jnp.float32), cache=new_cache, hidden=hidden)
 
 
 # --------------------------------------------------------------------------------------
@@ -963,14 +998,15 @@ class LlamaLM:
 
     supports_tree = True  # apply(..., tree=TreeAttention): see specjax.models.base
 
-    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden: bool = False,
+    def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden=False,
               tree: Optional[TreeAttention] = None) -> ModelOutput:
-        """``tree``: tree attention (:class:`specjax.models.base.TreeAttention`; lengths
+        """``return_hidden``: False, True (final hidden states) or a tuple of hidden-state
+        indices (:func:`specjax.models.base.hidden_indices`). ``tree``: tree attention (:class:`specjax.models.base.TreeAttention`; lengths
         unchanged), through the CPU attention kernel where a causal call would use it."""
         return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden,
                                                 tree)
 
-    def __call__(self, tokens, cache: KVCache, return_hidden: bool = False) -> ModelOutput:
+    def __call__(self, tokens, cache: KVCache, return_hidden=False) -> ModelOutput:
         return self.apply(self.params, tokens, cache, return_hidden)
 
     def __repr__(self) -> str:

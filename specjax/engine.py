@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import keys, sampling, tree as _tree, verify
-from specjax.drafts.base import ChainTreeProposer, CommitContext, ProposeContext, Proposer, is_tree_proposer
+from specjax.drafts.base import (ChainTreeProposer, CommitContext, ProposeContext, Proposer, hidden_request,
+                                 is_tree_proposer)
 from specjax.models.base import PREFILL_CHUNK, TreeAttention, move_slots, prefill
 from specjax.sampling import process_rows, sample_rows
 
@@ -1084,7 +1085,7 @@ class SpeculativeEngine(_Sharded):
         """Both models over the prompts: the target keeps KV for s[:c-1]; the proposer's
         ``init`` gets the target's hidden states when it asks for them."""
         tgt, prop, k = self.target, self.proposer, self.k
-        want_hidden = prop.needs_target_hidden
+        want_hidden = hidden_request(prop)
         b = prompts.shape[0]
         tcache = self._c_cache(tgt.init_cache(b, cache_len))
         tcache, hidden = prefill(tgt, target_params, prompts, prompt_lens, tcache,
@@ -1131,7 +1132,7 @@ class SpeculativeEngine(_Sharded):
         state, _ = state.commit(res.tokens, n_acc + 1, stop_ids, max_new, res.error)
         # rollback is setting lengths; finished rows stay where they are
         tcache = tcache.with_lengths(self.target_cache_lengths(state.seq_len))
-        # the proposer sees the target's final hidden states of this forward: entries
+        # the proposer sees the target's hidden states of this forward (hidden_request): entries
         # 0..n_acc are those after s[c-1], x_1..x_n (committed tokens); the rest are stale
         with self._role("draft"):
             pstate = self.proposer.commit(draft_params, proposal.state, CommitContext(
@@ -1152,7 +1153,7 @@ class SpeculativeEngine(_Sharded):
         active = ~state.done
         b = state.seq_len.shape[0]
         round_keys = self.round_keys(c, row_keys)
-        want_hidden = self.proposer.needs_target_hidden
+        want_hidden = hidden_request(self.proposer)
         o = self.target.apply(target_params, state.last_tokens()[:, None], c.target_cache,
                               return_hidden=want_hidden)
         p_lp = self._c(process_rows(self._c(o.logits, _LOGITS), params, lambda: state.counts[:, None, :],
@@ -1214,7 +1215,7 @@ class SpeculativeEngine(_Sharded):
             jnp.concatenate([jnp.ones((b, 1, 1), bool), jnp.zeros((b, 1, n), bool)], axis=2),
             jnp.concatenate([jnp.ones((b, n, 1), bool), anc], axis=2)], axis=1)
         depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depth.astype(jnp.int32)], axis=1)
-        want_hidden = self.proposer.needs_target_hidden
+        want_hidden = hidden_request(self.proposer)
         o = tgt.apply(target_params, jnp.concatenate([state.last_tokens()[:, None], tokens], axis=1),
                       c.target_cache, return_hidden=want_hidden,
                       tree=TreeAttention.dense(depth, full_mask))
@@ -1285,12 +1286,12 @@ class SpeculativeEngine(_Sharded):
         return jax.lax.cond(sampling.at_most_one_possible(p_lp), point_masses, sampled, None)
 
     def _score(self, target_params, state: DecodeState, x, nd, tcache):
-        """The target's forward over [s[c-1], x_1..x_K] -> (logits [B, K+1, V], final hidden
+        """The target's forward over [s[c-1], x_1..x_K] -> (logits [B, K+1, V], the proposer's hidden
         states or None, cache). A round where no row drafted anything costs one 1-token step
         instead; a proposer that always drafts K tokens (``always_drafts``) skips that
         test, and with it the copies of the whole KV cache that a conditional costs."""
         tgt = self.target
-        want_hidden = self.proposer.needs_target_hidden
+        want_hidden = hidden_request(self.proposer)
         b, k = x.shape
         v = tgt.vocab_size
         last = state.last_tokens()

@@ -105,6 +105,9 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
     toks8 = np.array([(p * 4)[:8] for p in PROMPTS] + [[j + 1] * 8 for j in range(8 - len(PROMPTS))], np.int32)
     fwd = jax.jit(lambda p, t: target.apply(p, t, target.init_cache(8, 16)).logits)
     ref_logits = np.asarray(fwd(target.params, toks8))
+    # hidden states of several layers from the same forward (an EAGLE-3 head's features)
+    fwd_h = jax.jit(lambda p, t: target.apply(p, t, target.init_cache(8, 16), return_hidden=(0, 1, 2)).hidden)
+    ref_hidden = np.asarray(fwd_h(target.params, toks8))
 
     # ---- single-device references (device 0) ---------------------------------------------
     if refs:
@@ -163,6 +166,10 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
         info["logits_spec"] = str(lg.sharding.spec)
         info["logits_sharding_ok"] = bool(equivalent(lg, P("data", None, "model")))
         info["logits_max_abs_diff"] = float(np.max(np.abs(np.asarray(lg) - ref_logits)))
+        with plan.context():
+            hd = jax.jit(lambda p, t: tg.apply(p, t, tg.init_cache(8, 16), return_hidden=(0, 1, 2)).hidden)(
+                tg.params, plan.put(toks8))
+        info["hidden_max_abs_diff"] = float(np.max(np.abs(np.asarray(hd) - ref_hidden)))
         # the target KV cache as the engine constrains it (after a prefill)
         with plan.context():
             cache = jax.jit(lambda p, t: plan.constrain_cache(

@@ -143,17 +143,20 @@ class _Phases(engine.SpeculativeEngine):
         return jnp.where(g < 6, 2, jnp.where(g < 10, 0, jnp.where(g < 13, 1, 0))).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
 def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     """Plain rounds (j = 0) skip ``propose``: the proposer must still end up where a fresh
     ``init`` over the committed sequence puts it (EAGLE head: its predicted feature and KV
-    over the (feature, token) pairs; draft model: its KV cache over s[:c-2])."""
+    over the (feature, token) pairs; draft model: its KV cache over s[:c-2]). ``eagle3``: a
+    head on several layers' hidden states, which the engine asks the target for in the
+    prefill, the verify pass and the plain step alike."""
     from specjax.drafts import EagleProposer
     from specjax.models.eagle import EagleConfig, EagleModel
 
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
-    if kind == "eagle":
-        cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32)
+    if kind.startswith("eagle"):
+        cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32,
+                                     feature_layers=(1, 2, 0) if kind == "eagle3" else ())
         prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K)
     else:
         prop = DraftModelProposer(LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6), K)
@@ -165,8 +168,9 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     c = seq.shape[1]
     cache_len = eng.target.init_cache(1, 64).max_len
     st = out.raw["proposer_state"]
-    if kind == "eagle":
-        hidden = tgt.apply(tgt.params, jnp.asarray(seq), tgt.init_cache(1, cache_len), return_hidden=True).hidden
+    if kind.startswith("eagle"):
+        hidden = tgt.apply(tgt.params, jnp.asarray(seq), tgt.init_cache(1, cache_len),
+                           return_hidden=prop.hidden_layers or True).hidden
         fresh = prop.init(prop.params, jnp.asarray(seq), jnp.array([c]), cache_len, hidden)
         np.testing.assert_allclose(np.asarray(st["h"]), np.asarray(fresh["h"]), atol=2e-5)
         n = c - 1

@@ -1,6 +1,8 @@
 """EAGLE-style feature drafts through the engine: greedy equality with autoregressive
 decoding, the exact law (chi-square over every 4-token continuation), the teacher-forced
-unrolled pass against the cached chain the proposer runs, and draft files."""
+unrolled pass against the cached chain the proposer runs, and draft files; EAGLE-1/2 heads
+(the target's final hidden states) and EAGLE-3 heads (several layers' hidden states fused,
+``feature_layers``) alike."""
 from __future__ import annotations
 
 import time
@@ -29,17 +31,23 @@ def _head(tgt, seed=1, **kw):
     return EagleModel.for_target(tgt, cfg, token_map=tm, seed=seed)
 
 
-def test_unrolled_matches_the_cached_chain():
-    """Step j of the training pass at position p == the proposer's chain rooted at p-j+1."""
+# EAGLE-3 heads on the 2-layer tiny targets: the embeddings, after layer 1, after the final norm
+EAGLE3 = (1, 0, 2)
+
+
+@pytest.mark.parametrize("feature_layers", [(), (1, 0)], ids=["eagle", "eagle3"])
+def test_unrolled_matches_the_cached_chain(feature_layers):
+    """Step j of the training pass at position p == the proposer's chain rooted at p-j+1
+    (target features at the root, fused for EAGLE-3; the head's own outputs after it)."""
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=5)
-    em = _head(tgt, n_layers=2)
-    h = jax.random.normal(jax.random.key(0), (2, 12, 32))
+    em = _head(tgt, n_layers=2, feature_layers=feature_layers)
+    h = jax.random.normal(jax.random.key(0), (2, 12, em.config.feature_dim))
     toks = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
     u = jax.jit(lambda p, h, t: em.module(p).unrolled(h, t, 3))(em.params, h, toks)
     step = jax.jit(em.apply)
     for root in (0, 4, 8):
         c = em.init_cache(2, 16)
-        out, c = step(em.params, h[:, : root + 1], toks[:, : root + 1], c)
+        out, c = step(em.params, em.fuse(em.params, h[:, : root + 1]), toks[:, : root + 1], c)
         f = out[:, -1:]
         np.testing.assert_allclose(u[0][:, root], f[:, 0], atol=1e-5)
         for j in (2, 3):
@@ -67,11 +75,12 @@ PROMPT = [1, 5, 2]
 
 
 @pytest.mark.slow
-def test_eagle_engine_law():
+@pytest.mark.parametrize("layers", [(), EAGLE3], ids=["eagle", "eagle3"])
+def test_eagle_engine_law(layers):
     """100k rows, K=2, N=4 tokens (>= 2 rounds: rollback and true-feature re-feeding are
     exercised); the head scores a 6-of-8 token subset, so q is 0 on two tokens: still exact."""
     tgt = LlamaLM.init(tiny_config(vocab_size=V, n_layers=2), seed=11)
-    em = _head(tgt, seed=3, vocab_subset=6)
+    em = _head(tgt, seed=3, vocab_subset=6, feature_layers=layers)
     k, n, rows, chunk = 2, 4, 100_000, 25_000
     cfg = sampling.SamplingConfig(temperature=1.0)
     law = exact_chain_law(tgt, PROMPT, n, cfg)
@@ -88,19 +97,35 @@ def test_eagle_engine_law():
     assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
-def test_draft_file_roundtrip(tmp_path):
+@pytest.mark.parametrize("layers", [(), EAGLE3], ids=["eagle", "eagle3"])
+def test_draft_file_roundtrip(tmp_path, layers):
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
-    em = _head(tgt, vocab_subset=40)
+    em = _head(tgt, vocab_subset=40, feature_layers=layers)
     path = str(tmp_path / "d.npz")
     w = dict(em.trainable_weights(), token_map=em.token_map())
     save_draft(path, "eagle", em.config.to_dict(), w)
     prop = make_proposer(load_draft_model(path, tgt), 3, tgt.vocab_size)
     assert isinstance(prop, EagleProposer)
+    assert prop.model.config == em.config and prop.hidden_layers == (layers or None)
     for a, b in zip(jax.tree.leaves(prop.model.params), jax.tree.leaves(em.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     other = LlamaLM.init(tiny_config(vocab_size=65, n_layers=2, dim=32), seed=5)
     with pytest.raises(ValueError, match="does not fit"):
         load_draft_model(path, other)
+    if layers:  # feature layers the target does not have
+        shallow = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=5)
+        with pytest.raises(ValueError, match="feature_layers"):
+            load_draft_model(path, shallow)
+
+
+def test_eagle3_config():
+    cfg = EagleConfig(vocab_size=64, dim=32, feature_layers=[3, 1])
+    assert cfg.feature_layers == (3, 1) and cfg.eagle3 and cfg.feature_dim == 64
+    assert EagleConfig.from_dict(cfg.to_dict()) == cfg
+    assert not EagleConfig(vocab_size=64, dim=32).eagle3  # files written before the field load as EAGLE-1
+    for bad in ([1, 1], [-1], "12", [True]):
+        with pytest.raises(ValueError, match="feature_layers"):
+            EagleConfig(vocab_size=64, dim=32, feature_layers=bad)
 
 
 def test_default_draft_is_lookup_for_other_targets():
@@ -164,8 +189,9 @@ def test_a_missing_shipped_draft_falls_back_to_prompt_lookup(monkeypatch):
         assert files.default_draft_for(tgt) == "lookup"
 
 
-@pytest.mark.parametrize("kernels", ["kernel", "xla"])
-def test_tree_call_node_equals_its_path_alone(kernels, monkeypatch):
+@pytest.mark.parametrize("kernels, layers", [("kernel", ()), ("xla", ()), ("kernel", (1, 0)), ("xla", (1, 0))],
+                         ids=["kernel", "xla", "kernel-eagle3", "xla-eagle3"])
+def test_tree_call_node_equals_its_path_alone(kernels, layers, monkeypatch):
     """EagleHead.tree_call (the attention kernel with a tree mask, or XLA's): each node's
     output equals feeding its path's pairs one after the other from the same prefix."""
     import specjax.models.eagle as eagle_mod
@@ -175,9 +201,9 @@ def test_tree_call_node_equals_its_path_alone(kernels, monkeypatch):
     if kernels == "xla":
         monkeypatch.setattr(eagle_mod, "use_attention", lambda *a: False)
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=5)
-    em = _head(tgt)
+    em = _head(tgt, feature_layers=layers)
     b, d = 2, 32
-    h = jax.random.normal(jax.random.key(0), (b, 6, d))
+    h = em.fuse(em.params, jax.random.normal(jax.random.key(0), (b, 6, em.config.feature_dim)))
     toks = jax.random.randint(jax.random.key(1), (b, 6), 0, 64)
     parent = np.array([-1, -1, 0, 0, 1, 2])
     depth = np.array([1, 1, 2, 2, 2, 3])

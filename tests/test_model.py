@@ -291,3 +291,45 @@ def test_constrain_hooks_only_with_a_mesh(lm):
         assert "specjax_attention" not in jax.jit(lambda p, t, c: auto.apply(p, t, c).logits).lower(
             auto.params, toks, cache).as_text()
         np.testing.assert_allclose(g(lm.params, toks, cache), ref, atol=1e-6)
+
+
+def test_hidden_states_of_several_layers_in_one_pass():
+    """``return_hidden=(i, ...)``: the hidden states with those indices (0: embeddings, i:
+    after layer i, L: after the final norm) concatenated, equal to running the blocks one by
+    one, unrolled and scanned, and through a chunked prefill."""
+    from specjax.models.base import prefill
+    from specjax.models.llama import rope_tables
+
+    lm = LlamaLM.init(tiny_config(vocab_size=64, n_layers=3, dim=16), seed=2)
+    rng = np.random.default_rng(1)
+    toks = jnp.asarray(rng.integers(0, 64, (2, 32)), jnp.int32)
+    # reference: the embeddings, then each block in turn
+    mod, cfg = lm.module(), lm.config
+    pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32)[None], (2, 32))
+    cos, sin = rope_tables(pos, cfg)
+    x = jnp.transpose(jnp.take(mod.embed[...], toks, axis=1), (1, 2, 0))
+    c = lm.init_cache(2, 32)
+    ref, k, v = [x], c.k, c.v
+    for i, blk in enumerate(mod.layers):
+        x, k, v = blk(x, k, v, i, pos, cos, sin)
+        ref.append(x)
+    ref[3] = lm.apply(lm.params, toks, lm.init_cache(2, 32), return_hidden=True).hidden  # after the final norm
+    want = (2, 0, 3, 1)
+    expect = np.concatenate([np.asarray(ref[i]) for i in want], axis=-1)
+    for scan in (False, True):
+        m = lm.with_config(scan_layers=scan)
+        fwd = jax.jit(m.apply, static_argnames="return_hidden")
+        out = fwd(m.params, toks, m.init_cache(2, 32), return_hidden=want)
+        assert out.hidden.shape == (2, 32, 4 * 16)
+        np.testing.assert_allclose(out.hidden, expect, atol=2e-5)
+        np.testing.assert_array_equal(out.logits, fwd(m.params, toks, m.init_cache(2, 32)).logits)
+        lens = jnp.asarray([32, 21], jnp.int32)
+        _, one = prefill(m, m.params, toks, lens, m.init_cache(2, 40), chunk=32, return_hidden=(1, 3))
+        _, chunked = jax.jit(lambda p, t, n, c: prefill(m, p, t, n, c, chunk=8, return_hidden=(1, 3)))(
+            m.params, toks, lens, m.init_cache(2, 40))
+        for b, n in enumerate(np.asarray(lens)):
+            np.testing.assert_allclose(chunked[b, :n], one[b, :n], atol=2e-5)
+            np.testing.assert_allclose(one[b, :n], expect[b, :n][..., np.r_[48:64, 32:48]], atol=2e-5)
+    for bad in ((4,), (-1,), (True,), "1"):
+        with pytest.raises(ValueError, match="hidden-state index|return_hidden"):
+            lm.apply(lm.params, toks[:, :4], lm.init_cache(2, 8), return_hidden=bad)

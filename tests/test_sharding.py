@@ -206,6 +206,7 @@ def test_autoregressive_identical_to_single_device(multi):
 def test_logits_and_cache_shardings(multi, mesh):
     c = _case(multi, mesh)
     assert c["logits_max_abs_diff"] < 1e-5, c["logits_max_abs_diff"]
+    assert c["hidden_max_abs_diff"] < 1e-5, c["hidden_max_abs_diff"]  # several layers' hidden states
     assert c["logits_sharding_ok"], f"logits {c['logits_spec']}, want (data, None, model)"
     assert c["target_cache_sharding_ok"], f"target cache {c['target_cache_spec']}"
     for m in METHODS:

@@ -72,6 +72,12 @@ def test_bad_configs_fail_before_work(prompt_files, tmp_path):
         (dict(base, target=dict(base["target"], overrides={"dim": 64})), "target.overrides"),
         (dict(base, target=dict(base["target"], overrides=[1])), "target.overrides"),
         (dict(base, train=dict(base["train"], export_dtype="bfloat16")), "export_dtype"),
+        (dict(base, draft=dict(kind="eagle", feature_layers=[1, 3])), "exceed the target"),
+        (dict(base, draft=dict(kind="eagle", feature_layers=[1, 1])), "repeated"),
+        (dict(base, draft=dict(kind="eagle", feature_layers=[0, 2]), train=dict(base["train"], losses={"fkl": 1, "hidden": 1})),
+         "EAGLE-3"),
+        (dict(base, draft=dict(kind="independent", config=TINY, feature_layers=[0, 2])), "only for eagle"),
+        (dict(base, draft=dict(kind="eagle", config={"feature_layers": [0, 2]})), "draft.feature_layers"),
     ]
     for d, msg in bad:
         with pytest.raises(T.ConfigError, match=msg):
@@ -82,7 +88,11 @@ def test_bad_configs_fail_before_work(prompt_files, tmp_path):
 @pytest.mark.parametrize("draft, losses", [
     (dict(kind="independent", config=dict(TINY, n_layers=1, dim=16, head_dim=4, ffn_dim=32)), {"fkl": 1.0}),
     (dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="random_fc"), {"fkl": 1.0, "tv": 0.5, "hidden": 0.1}),
-])
+    # EAGLE-3: the embeddings, after layer 1, after the final norm; the target's last layer as
+    # the start (its feature half)
+    (dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="target_last",
+          feature_layers=[0, 1, 2]), {"fkl": 1.0}),
+], ids=["independent", "eagle", "eagle3"])
 def test_loss_goes_down_and_alpha_goes_up(prompt_files, tmp_path, target, draft, losses):
     out = tmp_path / draft["kind"]
     res = T.train(_cfg(prompt_files, out, draft, losses=losses), target=target)
@@ -98,12 +108,25 @@ def test_loss_goes_down_and_alpha_goes_up(prompt_files, tmp_path, target, draft,
     assert res["eval"] == last
     # the exported draft drives the engine exactly (greedy equality)
     prop = make_proposer(load_draft_model(str(out / "draft.npz"), target), 3, target.vocab_size)
+    if draft.get("feature_layers"):  # EAGLE-3: the file records the layers the head reads
+        assert prop.hidden_layers == tuple(draft["feature_layers"])
+        cached = T.build_data(T.load_config(_cfg(prompt_files, out, draft)), "train", target, None, log=lambda s: None)
+        assert cached["cached"] and cached["features"].shape[-1] == 3 * TINY["dim"] and "hidden" not in cached
     prompts = [[1, 2, 3, 4], [9, 8]]
     g = sampling.SamplingConfig(temperature=0.0)
     ar = build.generate_autoregressive(target, prompts, seed=0, sampling_params=g, max_new_tokens=16)
     sp = build.generate(target, prop, prompts, k=3, method="greedy", seed=0, sampling_params=g,
                          max_new_tokens=16)
     assert sp.tokens == ar.tokens
+
+
+def test_shipped_training_configs_load():
+    import glob
+
+    paths = sorted(glob.glob(os.path.join(T.REPO, "configs", "train", "*.yaml")))
+    assert any("eagle3" in p for p in paths)
+    for p in paths:
+        T.load_config(p)
 
 
 def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files, tmp_path, target):

@@ -155,12 +155,14 @@ def test_tree_rows_independent_of_batch(big):
         assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
 
 
-def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain():
+@pytest.mark.parametrize("layers", [(), (1, 2, 0)], ids=["eagle", "eagle3"])
+def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain(layers):
     """A top-1 EAGLE tree is the head's greedy chain: the same rounds as the chain proposer
-    (the head continues from the target's features along the accepted path)."""
+    (the head continues from the target's features along the accepted path; ``eagle3``: the
+    hidden states of several layers, gathered along the path)."""
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
-                                                           head_dim=8, ffn_dim=32), seed=1)
+                                                           head_dim=8, ffn_dim=32, feature_layers=layers), seed=1)
     cfg = sampling.SamplingConfig(temperature=0.0)
     kw = dict(seed=0, sampling_params=cfg, max_new_tokens=30)
     chain = engine.SpeculativeEngine(tgt, EagleProposer(em, 3), "greedy").generate(PROMPTS, **kw)
@@ -168,6 +170,8 @@ def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain():
                                     "greedy").generate(PROMPTS, **kw)
     assert chain.tokens == top1.tokens  # the chain's are the autoregressive ones
     assert [s.rounds for s in top1.stats] == [s.rounds for s in chain.stats]
+    if layers:
+        return  # the rest is about the tree proposer, not the head
     # a sampled-tree proposer in a greedy call grows the top-k tree, verified by the
     # argmax (the engine's point-mass fast path) under method "tree"
     hybrid = EagleTreeProposer(model=em, topk=3, depth=3, nodes=8, candidates="without_replacement")

@@ -4,8 +4,12 @@ A proposer is a static Python object (hashable by identity) whose methods are pu
 functions, called inside the engine's jitted ``lax.while_loop``:
 
 * ``init(params, prompt_tokens[B, P], prompt_lens[B], cache_len, target_hidden) -> state``
-  (prefill, once per generate call; ``target_hidden`` is the target's final hidden states
-  over the padded prompt [B, P, D] when the proposer sets ``needs_target_hidden``, else None)
+  (prefill, once per generate call; ``target_hidden`` is the target's hidden states over the
+  padded prompt [B, P, D'] when the proposer sets ``needs_target_hidden``, else None: the
+  final hidden states [D' = D], or, when the proposer also names ``hidden_layers`` (a tuple
+  of hidden-state indices, :func:`specjax.models.base.hidden_indices`), those states
+  concatenated [D' = n * D]; the engine asks the target for them with
+  :func:`hidden_request`, in every forward it makes, with no extra pass)
 * ``propose(params, state, ProposeContext) -> Proposal`` (once per round)
 * ``commit(params, state, CommitContext) -> state`` (after verification: the new committed
   tokens and lengths and, for feature-based drafts such as EAGLE-style heads, the target's
@@ -78,9 +82,10 @@ class CommitContext(NamedTuple):
 
     seq: jax.Array  # int32[B, S_total], the committed tokens after this round
     seq_len: jax.Array  # int32[B], the new committed lengths c'
-    # [B, K+1, D] the target's final hidden states from this round's forward, or None when
-    # the proposer did not ask (needs_target_hidden=False). Entry j is the hidden state after
-    # the committed token at position c'-1-num_new+j, for j < num_new; later entries are stale.
+    # [B, K+1, D'] the target's hidden states from this round's forward (as init's
+    # target_hidden: final, or the proposer's hidden_layers), or None when the proposer did
+    # not ask (needs_target_hidden=False). Entry j is the hidden state after the committed
+    # token at position c'-1-num_new+j, for j < num_new; later entries are stale.
     target_hidden: Optional[jax.Array]
     num_new: jax.Array  # int32[B]: valid leading entries of target_hidden (0 for finished rows)
 
@@ -102,7 +107,9 @@ class Proposer(Protocol):
     vocab_size: int  # must equal the target's
     always_drafts: bool  # num_draft == K for every row and round (speed only)
     min_prompt_len: int  # shortest prompt the proposer can start from (checked on the host)
-    needs_target_hidden: bool  # init / commit get the target's final hidden states
+    needs_target_hidden: bool  # init / commit get the target's hidden states
+    # optional: hidden_layers (a tuple of hidden-state indices, or None for the final hidden
+    # states): which ones (see hidden_request)
 
     @property
     def params(self) -> Any:  # the pytree handed to the jitted program (None for none)
@@ -116,6 +123,16 @@ class Proposer(Protocol):
 
     def commit(self, params, state, ctx: CommitContext) -> Any:
         ...
+
+
+def hidden_request(proposer):
+    """What the engine passes as the target's ``return_hidden`` for ``proposer``: False
+    (no ``needs_target_hidden``), True (the final hidden states) or the proposer's
+    ``hidden_layers`` (a tuple of hidden-state indices)."""
+    if not proposer.needs_target_hidden:
+        return False
+    layers = getattr(proposer, "hidden_layers", None)
+    return tuple(layers) if layers else True
 
 
 def draft_chain(k: int, step, final_draw, carry):

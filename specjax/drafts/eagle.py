@@ -15,6 +15,11 @@ the state; its logits through the target's head are the draft law of ``x_1``.
   round's K+1 pairs with the TRUE target features (only ``num_new`` are valid; the rest
   land in slots past the new length and are never read). Rows with ``num_new == 0``
   (finished) keep their state.
+
+An EAGLE-3 head (``EagleConfig.feature_layers``) works the same way: the proposer asks the
+engine for those hidden states (``hidden_layers``), ``init`` / ``commit`` map them to head
+features with ``fuse`` before feeding them, and the chain feeds back the head's own output
+feature (its layer output, which ``logits`` norms), as above.
 """
 from __future__ import annotations
 
@@ -50,13 +55,19 @@ class EagleProposer(ModelBackedProposer):
     min_prompt_len: int = 2
     always_drafts: bool = True  # num_draft is K for every row
 
+    @property
+    def hidden_layers(self):
+        """The target hidden states to hand to ``init`` / ``commit`` (the engine's
+        ``return_hidden``): None = the final ones; an EAGLE-3 head's feature layers."""
+        return self.model.hidden_layers
+
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         if target_hidden is None:
             raise ValueError("EagleProposer needs the target's hidden states")
         b, p = prompt_tokens.shape
         nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)
         cache = self.model.init_cache(b, cache_len)
-        h, cache = self.model.apply(params, target_hidden, nxt, cache)
+        h, cache = self.model.apply(params, self.model.fuse(params, target_hidden), nxt, cache)
         return dict(cache=cache.with_lengths(prompt_lens - 1), h=_take_rows(h, prompt_lens - 2))
 
     def propose(self, params, state, ctx: ProposeContext) -> Proposal:
@@ -96,7 +107,8 @@ class EagleProposer(ModelBackedProposer):
         kk = ctx.target_hidden.shape[1]
         idx = jnp.clip(base[:, None] + 1 + jnp.arange(kk)[None, :], 0, ctx.seq.shape[1] - 1)
         toks = jnp.take_along_axis(ctx.seq, idx, axis=1)
-        h, cache = self.model.apply(params, ctx.target_hidden, toks, state["cache"].with_lengths(base))
+        h, cache = self.model.apply(params, self.model.fuse(params, ctx.target_hidden), toks,
+                                    state["cache"].with_lengths(base))
         ok = num_new > 0
         h_last = _take_rows(h, jnp.maximum(num_new - 1, 0))
         return dict(cache=cache.with_lengths(base + num_new),

@@ -372,6 +372,11 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
         k = max(_TreeConfig.k.fget(self), self.tree_nodes)
         return max(k, self._sampled_layout()["width"] + 2) if self.sampled else k
 
+    @property
+    def hidden_layers(self):
+        """The target hidden states the head reads (see ``EagleProposer.hidden_layers``)."""
+        return self.model.hidden_layers
+
     def _chain(self):
         from specjax.drafts.eagle import EagleProposer
 

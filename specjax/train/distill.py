@@ -10,15 +10,22 @@ Data (paid once, cached as npz under ``data.cache_dir`` keyed by a hash of the t
 data settings): prompts -> on-policy continuations -> ONE teacher-forced target forward per
 sequence, storing at every position the target's top-k probabilities (temperature 1) and
 its final hidden states (float16 for training; float32 for the held-out split, whose exact
-target law is recomputed from them as ``softmax(h @ head.T)``).
+target law is recomputed from them as ``softmax(h @ head.T)``). For an EAGLE-3 head
+(``draft.feature_layers``) the same forward also returns those layers' hidden states,
+stored concatenated as ``features`` (float16 / float32 likewise; the training split then
+keeps no final hidden states, which nothing reads); the layers are part of the cache key.
 
 Draft kinds: ``independent`` (a small Llama, own embedding), ``target_init`` (the target's
-first N layers + its embedding / head, frozen or not), ``eagle`` (:mod:`specjax.models.eagle`).
+first N layers + its embedding / head, frozen or not), ``eagle`` (:mod:`specjax.models.eagle`;
+EAGLE-1/2 style, or EAGLE-3 style with ``draft.feature_layers``: hidden-state indices of
+the target, :func:`specjax.models.base.hidden_indices`).
 Losses (weights in ``train.losses``): ``fkl`` forward KL (cross-entropy to the top-k),
 ``rkl`` reverse KL (the mass outside the top-k spread uniformly), ``tv`` (1 - sum_k
 min(p, q), i.e. 1 - alpha over the top-k), ``hidden`` (smooth-L1 to the target's next hidden
-state, EAGLE heads only). EAGLE heads train draft positions 1..``unroll`` (fed their own
-predicted features after the first, as in decoding).
+state, EAGLE-1/2 heads only: an EAGLE-3 head's output has no single target feature to
+match). EAGLE heads train draft positions 1..``unroll`` (fed their own output features
+after the first, as in decoding: EAGLE-3's "training-time test"), with the token loss at
+every position.
 
 Only positions whose next token was GENERATED are trained (unless ``train.prompt_positions``)
 and evaluated: the chat template / system prompt is nearly free to predict and would
@@ -149,12 +156,24 @@ class DraftConfig:
     config: Optional[dict] = None  # independent: LlamaConfig fields; eagle: EagleConfig overrides
     freeze_embed: bool = True  # target_init: keep the target's embedding / head fixed
     vocab_subset: int = 0  # eagle: score only the most frequent tokens (0: all)
-    init: str = "random"  # eagle: random | random_fc (fc not "copy the feature") | target_last
+    # eagle: random | random_fc (fc not "copy the feature") | target_last (the head's layer
+    # starts as the target's last; EAGLE-3: on the feature half of q/k/v, and out_norm as the
+    # target's final norm)
+    init: str = "random"
+    # eagle: [] an EAGLE-1/2 head (the target's final hidden states); hidden-state indices
+    # (0: embeddings, i: after layer i, L: after the final norm) for an EAGLE-3 head
+    feature_layers: Optional[list] = None
 
     def __post_init__(self):
         _check(self.kind in KINDS, f"draft.kind must be one of {KINDS}, got {self.kind!r}")
         _int(self.n_layers, "draft.n_layers", 1)
         _int(self.vocab_subset, "draft.vocab_subset", 0)
+        fl = self.feature_layers
+        _check(fl is None or isinstance(fl, (list, tuple)), "draft.feature_layers must be a list of layer indices")
+        for i in fl or ():
+            _int(i, "draft.feature_layers[]", 0)
+        _check(len(set(fl or ())) == len(fl or ()), f"draft.feature_layers has a repeated index: {fl}")
+        object.__setattr__(self, "feature_layers", list(fl or []))
         _check(isinstance(self.freeze_embed, bool), "draft.freeze_embed must be true or false")
         _check(self.init in ("random", "random_fc", "target_last"),
                f"draft.init must be random, random_fc or target_last, got {self.init!r}")
@@ -218,12 +237,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def target_vocab(spec: TargetSpec) -> int:
+def _target_config_value(spec: TargetSpec, name: str) -> int:
     if spec.kind == "tiny":
         from specjax.models.llama import tiny_config
 
-        return tiny_config(**spec.config).vocab_size
-    return int(load_yaml_config("smollm2-135m", "models")[0]["config"]["vocab_size"])
+        return getattr(tiny_config(**spec.config), name)
+    return int(load_yaml_config("smollm2-135m", "models")[0]["config"][name])
+
+
+def target_vocab(spec: TargetSpec) -> int:
+    return _target_config_value(spec, "vocab_size")
 
 
 def load_config(src) -> RunConfig:
@@ -259,6 +282,19 @@ def load_config(src) -> RunConfig:
         raise ConfigError("draft.vocab_subset is only for eagle heads")
     if cfg.draft.kind != "eagle" and cfg.train.losses.get("hidden", 0) > 0:
         raise ConfigError("the hidden-state loss needs a feature draft (draft.kind: eagle)")
+    if cfg.draft.feature_layers:
+        if cfg.draft.kind != "eagle":
+            raise ConfigError("draft.feature_layers is only for eagle heads")
+        if cfg.train.losses.get("hidden", 0) > 0:
+            raise ConfigError("the hidden-state loss is for EAGLE-1/2 heads: an EAGLE-3 head "
+                              "(draft.feature_layers) has no single target feature to match")
+        nl = _target_config_value(cfg.target, "n_layers")
+        bad = [i for i in cfg.draft.feature_layers if i > nl]
+        if bad:
+            raise ConfigError(f"draft.feature_layers {bad} exceed the target's hidden-state indices "
+                              f"0..{nl} ({nl} layers)")
+    if "feature_layers" in dc:
+        raise ConfigError("set the EAGLE-3 layers with draft.feature_layers, not draft.config")
     for f in ("prompts", "heldout"):
         p = _path(getattr(cfg.data, f))
         if not os.path.isfile(p):
@@ -313,6 +349,11 @@ def read_prompts(path, fmt, tok, limit=0):
 # data
 
 
+def feature_layers(cfg: RunConfig) -> Optional[tuple]:
+    """The target hidden states an EAGLE-3 draft reads (None for every other draft)."""
+    return tuple(cfg.draft.feature_layers) if cfg.draft.kind == "eagle" and cfg.draft.feature_layers else None
+
+
 def _data_key(cfg: RunConfig, split: str) -> str:
     d = dataclasses.asdict(cfg.data)
     d.pop("cache_dir")
@@ -325,8 +366,10 @@ def _data_key(cfg: RunConfig, split: str) -> str:
     tgt = dataclasses.asdict(cfg.target)
     if not tgt["overrides"]:
         tgt.pop("overrides")  # keys of configs written before the field existed stay valid
-    blob = json.dumps(dict(target=tgt, data=d, seed=cfg.seed, split=split,
-                           version=1), sort_keys=True)
+    key = dict(target=tgt, data=d, seed=cfg.seed, split=split, version=1)
+    if feature_layers(cfg):  # EAGLE-3 data also holds these layers (other keys unchanged)
+        key["features"] = list(feature_layers(cfg))
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -335,15 +378,20 @@ def _pad64(n) -> int:
     return int(math.ceil(int(n) / 64) * 64)
 
 
-def _teacher_fn(target, topk):
-    from specjax.models.base import KVCache  # noqa: F401
+def _teacher_fn(target, topk, layers=None):
+    """One forward: (top-k probabilities, their tokens, final hidden states, the hidden
+    states of ``layers`` concatenated or None)."""
+    want = True if not layers else tuple(layers) + (target.config.n_layers,)
 
     def f(params, toks):
         b, t = toks.shape
-        out = target.apply(params, toks, target.init_cache(b, t), return_hidden=True)
+        out = target.apply(params, toks, target.init_cache(b, t), return_hidden=want)
         lp = jax.nn.log_softmax(out.logits, axis=-1)
         v, i = jax.lax.top_k(lp, topk)
-        return jnp.exp(v), i.astype(jnp.int32), out.hidden
+        if not layers:
+            return jnp.exp(v), i.astype(jnp.int32), out.hidden, None
+        d = target.config.dim
+        return jnp.exp(v), i.astype(jnp.int32), out.hidden[..., -d:], out.hidden[..., :-d]
 
     return jax.jit(f)
 
@@ -388,12 +436,16 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
     toks = np.zeros((n, T), np.int32)
     for i, x in enumerate(seqs):
         toks[i, :len(x)] = x
-    fn = _teacher_fn(target, dc.topk)
+    layers = feature_layers(cfg)
+    fn = _teacher_fn(target, dc.topk, layers)
     D = target.config.dim
     hdt = np.float16 if split == "train" else np.float32
     tp = np.zeros((n, T, dc.topk), np.float32)
     ti = np.zeros((n, T, dc.topk), np.int32)
-    hid = np.zeros((n, T, D), hdt)
+    # the final hidden states: the held-out law, the EAGLE-1/2 input and hidden loss
+    # (an EAGLE-3 run's training split does without them)
+    hid = None if layers and split == "train" else np.zeros((n, T, D), hdt)
+    feats = np.zeros((n, T, len(layers) * D), hdt) if layers else None
     tb = dc.teacher_batch
     order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
     for s in range(0, n, tb):
@@ -403,11 +455,22 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
         pad = tb - blk.shape[0]
         if pad:
             blk = np.concatenate([blk, np.zeros((pad, tlen), np.int32)])
-        p, i, h = jax.device_get(fn(target.params, jnp.asarray(blk)))
+        p, i, h, f = jax.device_get(fn(target.params, jnp.asarray(blk)))
         m = tb - pad
-        tp[rows_b, :tlen], ti[rows_b, :tlen], hid[rows_b, :tlen] = p[:m], i[:m], h[:m].astype(hdt)
+        tp[rows_b, :tlen], ti[rows_b, :tlen] = p[:m], i[:m]
+        if hid is not None:
+            hid[rows_b, :tlen] = h[:m].astype(hdt)
+        if feats is not None:
+            f = f[:m].astype(hdt)
+            if not np.isfinite(f).all():
+                raise RuntimeError(f"hidden states of layers {list(layers)} overflow {np.dtype(hdt).name}")
+            feats[rows_b, :tlen] = f
     data = dict(tokens=toks, lengths=lengths, prompt_lens=np.array(plens, np.int32), topk_p=tp,
-                topk_idx=ti, hidden=hid)
+                topk_idx=ti)
+    if hid is not None:
+        data["hidden"] = hid
+    if feats is not None:
+        data["features"] = feats
     os.makedirs(cache_dir, exist_ok=True)
     tmp = path + ".tmp.npz"
     np.savez(tmp, **data)
@@ -444,6 +507,17 @@ class Draft:
     inv_map: Optional[np.ndarray]  # eagle subset: token -> subset index (-1 outside)
     token_map: Optional[np.ndarray]
 
+    @property
+    def eagle3(self) -> bool:
+        return self.kind == "eagle" and self.config.eagle3
+
+    @property
+    def feature_key(self) -> Optional[str]:
+        """The data entry the draft reads beside the tokens (None: tokens only)."""
+        if self.kind != "eagle":
+            return None
+        return "features" if self.eagle3 else "hidden"
+
     def module(self, trainable=None):
         from flax import nnx
 
@@ -465,6 +539,7 @@ def build_draft(cfg: RunConfig, target, train_data) -> Draft:
         over = dict(dr.config or {})
         over["n_layers"] = dr.n_layers
         over["vocab_subset"] = dr.vocab_subset
+        over["feature_layers"] = tuple(dr.feature_layers)
         ecfg = EagleConfig.for_target(tcfg, **over)
         if dr.vocab_subset:
             freq = token_frequencies(train_data, tcfg.vocab_size)
@@ -476,9 +551,15 @@ def build_draft(cfg: RunConfig, target, train_data) -> Draft:
         if dr.init == "target_last":
             for k in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"):
                 src = tw[k][-1:]
+                if ecfg.eagle3 and k in ("wq", "wk", "wv"):
+                    # EAGLE-3 attention reads [embedding, feature]: the target's layer on the
+                    # feature half, the random start on the embedding half
+                    src = np.concatenate([trainable[k][:1, :, :tcfg.dim], src], axis=-1)
                 if src.shape[1:] != trainable[k].shape[1:]:
                     raise ConfigError(f"draft.init=target_last needs the target's layer shapes ({k})")
                 trainable[k] = np.repeat(src, dr.n_layers, axis=0)
+            if ecfg.eagle3:  # the output is read like the target's last residual stream
+                trainable["out_norm"] = np.asarray(tw["final_norm"], np.float32).copy()
         model = EagleModel.for_target(target, ecfg, trainable=trainable, token_map=tm)
         module = model.module()
         graphdef, frozen, params = nnx.split(module, Frozen, nnx.Param)
@@ -523,9 +604,10 @@ def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
 
 
 def _forward(draft: Draft, trainable, tokens, hidden, n_steps):
-    """-> (logq [S, B, T, Vq] log-probs, pred_hidden [S, B, T, D] or None).
+    """-> (logq [S, B, T, Vq] log-probs, the head's output features [S, B, T, D] or None).
 
-    Entry (j, b, t) is the draft law of token s[t+1] at draft position j+1."""
+    ``hidden``: the data entry ``draft.feature_key`` (EAGLE heads). Entry (j, b, t) is the
+    draft law of token s[t+1] at draft position j+1."""
     m = draft.module(trainable)
     if draft.kind == "eagle":
         nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
@@ -569,7 +651,7 @@ def _loss_fn(draft: Draft, weights: dict, n_steps: int, vocab_size: int, prompt_
     def loss(trainable, batch):
         toks, lens = batch["tokens"], batch["lengths"]
         tp, ti = batch["topk_p"], batch["topk_idx"]
-        logq, ph = _forward(draft, trainable, toks, batch.get("hidden"), n_steps)
+        logq, ph = _forward(draft, trainable, toks, batch.get(draft.feature_key), n_steps)
         S, B, T, _ = logq.shape
         valid = _valid(lens, batch["prompt_lens"], T, S, eagle, prompt_positions).astype(jnp.float32)
         ntok = jnp.maximum(valid.sum(axis=(1, 2)), 1.0)  # [S]
@@ -588,7 +670,7 @@ def _loss_fn(draft: Draft, weights: dict, n_steps: int, vocab_size: int, prompt_
         cross = jnp.sum(qk * jnp.log(jnp.maximum(p, 1e-12)), -1) + \
             (1.0 - jnp.sum(qk, -1)) * jnp.log(rest / (vocab_size - k))
         terms["rkl"] = neg_ent - cross
-        if eagle:
+        if eagle and not draft.eagle3:  # EAGLE-1/2: the output is a predicted final hidden state
             th = batch["hidden"].astype(jnp.float32)
             d = ph - th[None]
             ad = jnp.abs(d)
@@ -634,8 +716,10 @@ def make_eval(draft: Draft, n_steps: int):
     tm = None if draft.token_map is None else jnp.asarray(draft.token_map)
 
     @jax.jit
-    def ev(trainable, toks, lens, plens, hidden):
-        logq, _ = _forward(draft, trainable, toks, hidden, n)
+    def ev(trainable, toks, lens, plens, hidden, feats=None):
+        """``hidden``: the final hidden states (the target's law); ``feats``: what the draft
+        reads when it is not ``hidden`` (an EAGLE-3 head's features)."""
+        logq, _ = _forward(draft, trainable, toks, hidden if feats is None else feats, n)
         S, B, T, _ = logq.shape
         logp = jax.nn.log_softmax(jnp.einsum("btd,vd->btv", hidden.astype(jnp.float32), head), -1)
         p = jnp.exp(logp)
@@ -665,13 +749,17 @@ def evaluate(ev, trainable, data, batch) -> dict:
         lens = data["lengths"][sl]
         hid = data["hidden"][sl]
         pl = data["prompt_lens"][sl]
+        ft = data["features"][sl] if "features" in data else None
         if toks.shape[0] < batch:  # pad with empty rows (length 0: nothing counted)
             pad = batch - toks.shape[0]
             toks = np.concatenate([toks, np.zeros((pad,) + toks.shape[1:], toks.dtype)])
             lens = np.concatenate([lens, np.zeros((pad,), lens.dtype)])
             pl = np.concatenate([pl, np.zeros((pad,), pl.dtype)])
             hid = np.concatenate([hid, np.zeros((pad,) + hid.shape[1:], hid.dtype)])
-        ra, rg, rc = jax.device_get(ev(trainable, jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(pl), jnp.asarray(hid)))
+            if ft is not None:
+                ft = np.concatenate([ft, np.zeros((pad,) + ft.shape[1:], ft.dtype)])
+        ra, rg, rc = jax.device_get(ev(trainable, jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(pl),
+                                       jnp.asarray(hid), None if ft is None else jnp.asarray(ft)))
         a, g, c = a + ra, g + rg, c + rc
     c = np.maximum(c, 1)
     return dict(alpha=[round(float(x), 4) for x in a / c], greedy=[round(float(x), 4) for x in g / c])
@@ -728,6 +816,8 @@ def batch_indices(seed: int, step: int, batch_size: int, n: int) -> np.ndarray:
 def _export_at(cfg: RunConfig, draft: Draft, trainable, out_dir, ntrain, heldout, step):
     info = dict(steps=step, of_steps=cfg.train.steps, complete=step == cfg.train.steps, train_tokens=ntrain,
                 heldout=heldout, seed=cfg.seed, kind=cfg.draft.kind)
+    if cfg.draft.feature_layers:
+        info["feature_layers"] = list(cfg.draft.feature_layers)
     export_draft(cfg, dataclasses.replace(draft, trainable=trainable), os.path.join(out_dir, "draft.npz"), info)
 
 
@@ -796,7 +886,7 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     held = build_data(cfg, "heldout", target, tokenizer, log)
     draft = build_draft(cfg, target, train_data)
     v = target.config.vocab_size
-    keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + (["hidden"] if draft.kind == "eagle" else [])
+    keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + ([draft.feature_key] if draft.feature_key else [])
     if time_budget is not None:
         steps = fit_steps(cfg, draft, v, train_data, held, keys, t_call + time_budget, log,
                           reserve_s=reserve_s, clock=clock)
