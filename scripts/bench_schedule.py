@@ -105,6 +105,9 @@ def dataset(a, target, draft, tok):
     engines = {"autoregressive": build.make_autoregressive_engine(target),
                f"K={a.dataset_k}": build.make_engine(target, draft, a.dataset_k),
                "K=auto": build.make_engine(target, draft, "auto")}
+    for m in a.dataset_tail_costs:  # k=auto moves the tail only to sizes with a cost table
+        if m < b:
+            engines["K=auto"].costs_for(m)
     res = []
     for name, eng in engines.items():
         for c in chunks:  # compile every program first
@@ -126,8 +129,13 @@ def dataset(a, target, draft, tok):
                 return o.tokens, o.stats, int(o.raw["iterations"]), int(o.raw["slot_iterations"])
             return run
 
-        for mode, fn in (("fixed batches", fixed), ("continuous, all slots", cont(False)),
-                         ("continuous, tail compacted", cont(True))):
+        modes = [("fixed batches", fixed), ("continuous, all slots", cont(False)),
+                 ("continuous, tail compacted", cont(True))]
+        if a.dataset_ladder:
+            eng.compile(ids, dataset_batch=b, compact=list(a.dataset_ladder), **kw)
+            modes.append((f"continuous, tail sizes {','.join(map(str, a.dataset_ladder))}",
+                          cont(list(a.dataset_ladder))))
+        for mode, fn in modes:
             (toks, stats, iters, slot_iters), dt = _timed(fn)
             n = sum(len(t) for t in toks)
             row = dict(setting=name, mode=mode, seconds=dt, tokens=n, ms_per_token=1e3 * dt / n,
@@ -152,6 +160,11 @@ def main():
     ap.add_argument("--dataset-batch", type=int, default=16)
     ap.add_argument("--dataset-max-new", type=int, default=128)
     ap.add_argument("--dataset-k", type=int, default=3)
+    ap.add_argument("--dataset-ladder", type=_csv(int), default=(),
+                    help="also run the dataset with these tail sizes (generate_dataset(compact=[...]))")
+    ap.add_argument("--dataset-tail-costs", type=_csv(int), default=(4, 1),
+                    help="batch sizes whose k=auto cost table is measured first (if not saved), "
+                         "so that the dataset run's tail can move to them")
     ap.add_argument("--dataset-temperature", type=float, default=0.7)
     ap.add_argument("--dataset-top-p", type=float, default=0.9)
     ap.add_argument("--skip-grid", action="store_true")

@@ -618,16 +618,27 @@ class _Sharded:
             ).lower(carry, one, np.int32(0), **static).compile()
         return args, (start, advance, finish, insert)
 
-    def _tail_sizes(self, b: int) -> list:
-        """The smaller batch sizes a dataset run's tail may move to (:meth:`_dataset`):
-        b // 2, b // 4, ..., 1; for an adaptive engine only those with a cost table (set
-        or saved), so that the tail never stops to measure one."""
-        sizes, s = [], b // 2
-        while s >= 1:
-            if not getattr(self, "adaptive", False) or self.has_costs(s):
+    def _tail_sizes(self, b: int, compact=True) -> list:
+        """The smaller batch sizes a dataset run's tail may move to (:meth:`_dataset`),
+        largest first: ``compact=True`` b // 2, b // 4, ..., 1; a sequence: those sizes
+        below b; False: none. For an adaptive engine only sizes with a cost table (set or
+        saved), so that the tail never stops to measure one."""
+        if compact is True:
+            sizes, s = [], b // 2
+            while s >= 1:
                 sizes.append(s)
-            s //= 2
-        return sizes
+                s //= 2
+        elif compact is False or compact is None:
+            sizes = []
+        else:
+            try:
+                sizes = [int(m) for m in compact]
+            except (TypeError, ValueError):
+                sizes = None
+            if sizes is None or any(isinstance(m, bool) or int(m) != m or m < 1 for m in compact):
+                raise ValueError(f"compact must be True, False or a list of batch sizes >= 1, got {compact!r}")
+        sizes = sorted({m for m in sizes if m < b}, reverse=True)
+        return [m for m in sizes if not getattr(self, "adaptive", False) or self.has_costs(m)]
 
     def _tail_executables(self, full: Batch, big, m: int, static_opts: dict):
         """For a dataset run's tail at ``m`` slots: the arguments of ``m`` rows, the compiled
@@ -655,21 +666,21 @@ class _Sharded:
             got = self._compiled[sig] = (advance, finish, take, small)
         return args, got
 
-    def _compile_tail(self, full: Batch, b: int, carry, static_opts: dict) -> None:
+    def _compile_tail(self, full: Batch, b: int, carry, static_opts: dict, tail: list) -> None:
         """Compile every program a dataset run at ``b`` slots may move its tail to."""
-        tail = self._tail_sizes(b)
         shapes = {b: carry}
         for size in [b] + tail:
             for m in tail:
-                if m <= size // 2 and size in shapes:
+                if m < size:
                     shapes[m] = self._tail_executables(full, shapes[size], m, static_opts)[1][3]
 
-    def _compile_dataset(self, full: Batch, b: int, static_opts: dict, compact: bool) -> None:
+    def _compile_dataset(self, full: Batch, b: int, static_opts: dict, compact) -> None:
         """The programs of ``generate_dataset(batch_size=b, compact=compact)``."""
+        tail = self._tail_sizes(b, compact)
         _, (start, *_) = self._dataset_executables(full, b, static_opts)
-        if compact:
+        if tail:
             carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
-            self._compile_tail(full, b, carry, static_opts)
+            self._compile_tail(full, b, carry, static_opts, tail)
 
     def _one_row_args(self, full: Batch, i: int, static_opts: dict) -> tuple:
         """The arguments of ``_insert`` for dataset row ``i``. The prefill reads no costs:
@@ -691,13 +702,13 @@ class _Sharded:
         return carry.replace(**rows)
 
     def _dataset(self, full: Batch, batch_size: int, static_opts: dict, with_stats: bool,
-                 raise_on_error: bool, on_row=None, compact: bool = True) -> GenerateOutput:
+                 raise_on_error: bool, on_row=None, compact=True) -> GenerateOutput:
         """Continuous batching: ``batch_size`` slots; the loop pauses when a row finishes,
         its output is read, the next prompt is prefilled into its slot (one compiled
         ``_insert``) and the loop goes on. Every row keeps its dataset key and its own
         round / step count, so its tokens are those it gets alone. ``compact``: once no
-        prompt is left and at most half the slots still run, the running rows move to a
-        loop state of fewer slots (:meth:`_tail_sizes`; their state, caches and counts
+        prompt is left and the running rows fit in a smaller size of :meth:`_tail_sizes`,
+        they move to a loop state of the smallest such size (their state, caches and counts
         gathered, nothing recomputed), so that the tail does not pay for idle rows."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -705,9 +716,9 @@ class _Sharded:
         b = min(batch_size, n)
         slots = list(range(b))  # dataset row in each slot (None: idle, nothing left)
         nxt = b
+        tail = self._tail_sizes(b, compact)
         args, (start, advance, finish, insert) = self._dataset_executables(full, b, static_opts)
         one_args = lambda i: self._one_row_args(full, i, static_opts)  # noqa: E731
-        tail = self._tail_sizes(b) if compact else []
         results: list = [None] * n
         inserts = 0
         stages = []  # (slots, loop iterations) of each batch size the run went through
@@ -735,7 +746,7 @@ class _Sharded:
                     running = [s for s in range(len(slots)) if slots[s] is not None]
                     if not running:
                         break
-                    fits = [m for m in tail if len(running) <= m <= len(slots) // 2]
+                    fits = [m for m in tail if len(running) <= m < len(slots)]
                     if nxt >= n and fits:  # the tail: move the running rows to fewer slots
                         m = min(fits)
                         idle = [s for s in range(len(slots)) if slots[s] is None]
@@ -1464,7 +1475,7 @@ class SpeculativeEngine(_Sharded):
         return _to_output(res, with_stats=True, raise_on_error=raise_on_error, rows=batch.size)
 
     def generate_dataset(self, prompts, *, batch_size: int = 16, raise_on_error=True, on_row=None,
-                         compact: bool = True, **kwargs) -> GenerateOutput:
+                         compact=True, **kwargs) -> GenerateOutput:
         """Generate for a whole dataset of prompts with ``batch_size`` slots kept busy
         (continuous batching): when a row finishes (stop token or its max_new_tokens) the
         next prompt is prefilled into its slot and the loop goes on, with no retrace. Row i
@@ -1477,8 +1488,10 @@ class SpeculativeEngine(_Sharded):
         ``batch_size``, ``inserts``, ``stages`` ((slots, loop iterations) per batch size
         the run went through), ``slot_iterations`` (their sum of slots x iterations) and,
         for this engine, ``k_rounds``. ``compact``: when no prompt is left, the running
-        rows move to fewer slots (b/2, b/4, ... with k="auto" only sizes with a cost table),
-        each size compiled once per engine; the rows' tokens do not change."""
+        rows move to fewer slots: True b/2, b/4, ..., 1; or a list of sizes (e.g. ``[12, 8,
+        6, 4, 3, 2, 1]``: fewer idle slots, more programs); False: never. With k="auto"
+        only sizes with a cost table. Each size is compiled once per engine; the rows'
+        tokens do not change."""
         full = self.prepare(prompts, **kwargs)
         return self._dataset(full, batch_size, {}, True, raise_on_error, on_row, compact)
 
@@ -1496,7 +1509,7 @@ class SpeculativeEngine(_Sharded):
         return TokenStream(self._stream(batch, chunk, {}, True, raise_on_error))
 
     def compile(self, prompts, *, stream: bool = False, dataset_batch: Optional[int] = None,
-                compact: bool = True, **kwargs) -> None:
+                compact=True, **kwargs) -> None:
         """Compile the program :meth:`generate` runs for these arguments (the same shapes and
         static settings: buckets, not values) without running it, so that such a
         ``generate`` then spends its time decoding; ``stream=True``: the programs of
@@ -1617,7 +1630,7 @@ class AutoregressiveEngine(_Sharded):
         return _to_output(res, with_stats=False, raise_on_error=raise_on_error, rows=batch.size)
 
     def generate_dataset(self, prompts, *, batch_size: int = 16, greedy=False, raise_on_error=True,
-                         on_row=None, compact: bool = True, **kwargs) -> GenerateOutput:
+                         on_row=None, compact=True, **kwargs) -> GenerateOutput:
         """As :meth:`SpeculativeEngine.generate_dataset` (row i's step t draws with its
         dataset key, so its tokens are those it gets alone)."""
         full = self.prepare(prompts, **kwargs)
@@ -1630,7 +1643,7 @@ class AutoregressiveEngine(_Sharded):
         return TokenStream(self._stream(batch, chunk, dict(greedy=greedy), False, raise_on_error))
 
     def compile(self, prompts, *, greedy=False, stream: bool = False,
-                dataset_batch: Optional[int] = None, compact: bool = True, **kwargs) -> None:
+                dataset_batch: Optional[int] = None, compact=True, **kwargs) -> None:
         """As :meth:`SpeculativeEngine.compile`."""
         batch = self.prepare(prompts, **kwargs)
         if dataset_batch is not None:

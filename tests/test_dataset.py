@@ -46,6 +46,10 @@ def test_rows_equal_one_row_runs(models, which):
     assert out.raw["slot_iterations"] == sum(m * it for m, it in out.raw["stages"])
     whole = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=False, **kw)
     assert whole.tokens == out.tokens and whole.raw["stages"] == [(4, whole.raw["iterations"])]
+    three = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=[3, 1], **kw)
+    assert three.tokens == out.tokens and {m for m, _ in three.raw["stages"]} <= {4, 3, 1}
+    with pytest.raises(ValueError, match="compact"):
+        eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=[2, 0], **kw)
     for i, p in enumerate(prompts):
         one = eng.generate([p], row_indices=[i], max_new_tokens=int(max_new[i]), **kw)
         assert one.tokens[0] == out.tokens[i], i
@@ -78,4 +82,6 @@ def test_adaptive_tail_moves_only_to_sizes_with_a_cost_table(models):
     for s in (4, 1):
         eng.set_costs(s, [1.0, 1.5, 2.0])
     assert {4, 1} <= set(eng._tail_sizes(16)) and 32 not in eng._tail_sizes(16)
-    assert engine.AutoregressiveEngine(target)._tail_sizes(12) == [6, 3, 1]
+    ar = engine.AutoregressiveEngine(target)
+    assert ar._tail_sizes(12) == [6, 3, 1] and ar._tail_sizes(12, False) == []
+    assert ar._tail_sizes(16, [1, 12, 6, 16, 20, 6]) == [12, 6, 1]
