@@ -28,7 +28,8 @@ def main(argv=None):
     target, tok, _ = build.load_target("default")
     if a.k is None:
         a.k = build.DEFAULT_K
-    lines = [ln.strip() for ln in open(a.file) if ln.strip()][: a.prompts]
+    with open(a.file, encoding="utf-8") as f:  # '#' lines are comments
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")][: a.prompts]
     prompts = [tok.encode_user(ln) for ln in lines]
     prop = make_proposer(build.resolve_draft(a.draft, target)[0], a.k, target.vocab_size)
     res = {}

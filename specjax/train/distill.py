@@ -332,8 +332,10 @@ def load_target(spec: TargetSpec):
 
 
 def read_prompts(path, fmt, tok, limit=0):
+    """One prompt per non-empty line; lines starting with ``#`` are comments (as in the
+    benchmark's prompt files)."""
     with open(_path(path), encoding="utf-8") as f:
-        lines = [ln.strip() for ln in f if ln.strip()]
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     if limit:
         lines = lines[:limit]
     if fmt == "ids":
