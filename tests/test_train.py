@@ -78,6 +78,10 @@ def test_bad_configs_fail_before_work(prompt_files, tmp_path):
          "EAGLE-3"),
         (dict(base, draft=dict(kind="independent", config=TINY, feature_layers=[0, 2])), "only for eagle"),
         (dict(base, draft=dict(kind="eagle", config={"feature_layers": [0, 2]})), "draft.feature_layers"),
+        (dict(base, data=dict(base["data"], prompts=[])), "data.prompts"),
+        (dict(base, data=dict(base["data"], prompts=[base["data"]["prompts"], "/nonexistent"])), "no such file"),
+        (dict(base, data=dict(base["data"], prompts=[base["data"]["prompts"], base["data"]["heldout"]])),
+         "must be different files"),
     ]
     for d, msg in bad:
         with pytest.raises(T.ConfigError, match=msg):
@@ -203,3 +207,19 @@ def test_float16_draft_files(tmp_path, target):
     np.testing.assert_array_equal(h["token_map"], w["token_map"])
     with pytest.raises(ValueError, match="float16"):
         save_draft(str(tmp_path / "x.npz"), "eagle", {}, {"a": np.array([1e6], np.float32)}, dtype="float16")
+
+
+def test_several_prompt_files_and_held_out_prompts_left_out(prompt_files, tmp_path):
+    """data.prompts may list files (read in order); a training prompt that is also a
+    held-out one (ignoring case and spacing) is left out, and the data key says so."""
+    tr, ho, _ = prompt_files
+    extra = tmp_path / "extra.txt"
+    held = [ln for ln in open(ho).read().splitlines() if ln.strip()]
+    extra.write_text("# a comment line\n1 2 3\n" + "  " + held[0].replace(" ", "  ") + "\n4 5\n")
+    base = _cfg(prompt_files, tmp_path / "x", dict(kind="eagle"))
+    one = T.load_config(base)
+    two = T.load_config(dict(base, data=dict(base["data"], prompts=[tr, str(extra)])))
+    lines, dropped = T.training_lines(two.data)
+    assert dropped == 1 and lines == T.prompt_lines(tr) + ["1 2 3", "4 5"]
+    assert T.training_lines(one.data) == (T.prompt_lines(tr), 0)
+    assert T._data_key(one, "train") != T._data_key(two, "train")

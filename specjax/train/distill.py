@@ -124,8 +124,8 @@ class TargetSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    prompts: str = "configs/train/prompts_train.txt"
-    heldout: str = "configs/train/prompts_heldout.txt"
+    prompts: Any = "configs/train/prompts_train.txt"  # a path or a list of paths
+    heldout: Any = "configs/train/prompts_heldout.txt"
     prompt_format: str = "chat"  # chat (user message in the chat template) | raw | ids
     max_prompts: int = 0  # 0: all
     max_heldout: int = 0
@@ -146,7 +146,13 @@ class DataConfig:
             _int(getattr(self, f), f"data.{f}", 1)
         _num(self.temperature, "data.temperature", 0.0)
         for f in ("prompts", "heldout"):
-            _check(isinstance(getattr(self, f), str) and getattr(self, f), f"data.{f} must be a path")
+            v = getattr(self, f)
+            if isinstance(v, (list, tuple)):
+                _check(len(v) > 0 and all(isinstance(x, str) and x for x in v),
+                       f"data.{f} must be a path or a non-empty list of paths, got {v!r}")
+                object.__setattr__(self, f, tuple(v))
+            else:
+                _check(isinstance(v, str) and v, f"data.{f} must be a path or a list of paths")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,11 +302,13 @@ def load_config(src) -> RunConfig:
     if "feature_layers" in dc:
         raise ConfigError("set the EAGLE-3 layers with draft.feature_layers, not draft.config")
     for f in ("prompts", "heldout"):
-        p = _path(getattr(cfg.data, f))
-        if not os.path.isfile(p):
-            raise ConfigError(f"data.{f}: no such file {p}")
-    if os.path.abspath(_path(cfg.data.prompts)) == os.path.abspath(_path(cfg.data.heldout)):
-        raise ConfigError("data.prompts and data.heldout must be different files")
+        for p in map(_path, _files(getattr(cfg.data, f))):
+            if not os.path.isfile(p):
+                raise ConfigError(f"data.{f}: no such file {p}")
+    same = ({os.path.abspath(_path(p)) for p in _files(cfg.data.prompts)}
+            & {os.path.abspath(_path(p)) for p in _files(cfg.data.heldout)})
+    if same:
+        raise ConfigError(f"data.prompts and data.heldout must be different files ({sorted(same)[0]} is in both)")
     if cfg.draft.kind == "independent":
         from specjax.models.llama import LlamaConfig
 
@@ -331,11 +339,39 @@ def load_target(spec: TargetSpec):
     return lm, tok
 
 
-def read_prompts(path, fmt, tok, limit=0):
-    """One prompt per non-empty line; lines starting with ``#`` are comments (as in the
-    benchmark's prompt files)."""
-    with open(_path(path), encoding="utf-8") as f:
-        lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+def _files(src) -> tuple:
+    """A prompt source (``data.prompts`` / ``data.heldout``): one path or a list of paths."""
+    return (src,) if isinstance(src, str) else tuple(src)
+
+
+def prompt_lines(src) -> list:
+    """The prompts of one file or of several (concatenated in order): one per non-empty
+    line; lines starting with ``#`` are comments (as in the benchmark's prompt files)."""
+    lines = []
+    for path in _files(src):
+        with open(_path(path), encoding="utf-8") as f:
+            lines += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    return lines
+
+
+def _same_text(line: str) -> str:
+    return " ".join(line.lower().split())
+
+
+def training_lines(dc: "DataConfig") -> tuple:
+    """The training prompts without any that is also a held-out prompt (compared ignoring
+    case and spacing), and how many were dropped: held-out alpha must measure prompts the
+    head never saw."""
+    held = {_same_text(x) for x in prompt_lines(dc.heldout)}
+    lines = prompt_lines(dc.prompts)
+    kept = [x for x in lines if _same_text(x) not in held]
+    return kept, len(lines) - len(kept)
+
+
+def read_prompts(path, fmt, tok, limit=0, lines=None):
+    """Token ids of the prompts of ``path`` (one file or a list: :func:`prompt_lines`;
+    ``lines``: these texts instead), the first ``limit`` if given, in ``fmt``."""
+    lines = prompt_lines(path) if lines is None else list(lines)
     if limit:
         lines = lines[:limit]
     if fmt == "ids":
@@ -362,9 +398,16 @@ def _data_key(cfg: RunConfig, split: str) -> str:
     d.pop("teacher_batch")
     d.pop("gen_batch")  # rows are keyed by their index, not their batch: same data
     for f in ("prompts", "heldout"):
-        with open(_path(d[f]), "rb") as fh:
-            d[f + "_sha"] = hashlib.sha256(fh.read()).hexdigest()
+        shas = []
+        for path in _files(d[f]):
+            with open(_path(path), "rb") as fh:
+                shas.append(hashlib.sha256(fh.read()).hexdigest())
+        d[f + "_sha"] = shas[0] if isinstance(d[f], str) else shas  # one file: keys as before
         d.pop(f)
+    if split == "train":
+        dropped = training_lines(cfg.data)[1]
+        if dropped:  # prompts that are also held out are left out (keys without any: as before)
+            d["heldout_excluded"] = dropped
     tgt = dataclasses.asdict(cfg.target)
     if not tgt["overrides"]:
         tgt.pop("overrides")  # keys of configs written before the field existed stay valid
@@ -414,8 +457,13 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
         log(f"[data] {split}: loaded {path} ({int(data['lengths'].sum())} tokens)")
         return data
     t0 = time.time()
-    src = dc.prompts if split == "train" else dc.heldout
-    prompts = read_prompts(src, dc.prompt_format, tok, dc.max_prompts if split == "train" else dc.max_heldout)
+    if split == "train":
+        lines, dropped = training_lines(dc)
+        if dropped:
+            log(f"[data] train: left out {dropped} prompts that are also held out")
+        prompts = read_prompts(dc.prompts, dc.prompt_format, tok, dc.max_prompts, lines=lines)
+    else:
+        prompts = read_prompts(dc.heldout, dc.prompt_format, tok, dc.max_heldout)
     rows = [(i, r) for i in range(len(prompts)) for r in range(dc.samples_per_prompt)]
     stops = list(tok.stop_ids) if tok is not None else None
     offset = 0 if split == "train" else 1 << 24  # held-out rows get keys of their own
