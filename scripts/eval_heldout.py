@@ -51,7 +51,10 @@ def heldout_eval(target, tok, model, path, *, target_spec=None, prompt_format="c
     dc = T.DataConfig(prompts=path, heldout=path, prompt_format=prompt_format, max_heldout=max_prompts,
                       samples_per_prompt=samples, max_new_tokens=max_new, gen_batch=gen_batch,
                       teacher_batch=teacher_batch, temperature=1.0, cache_dir=cache_dir)
-    cfg = T.RunConfig(seed=seed, target=spec, data=dc, draft=T.DraftConfig(), train=T.TrainConfig())
+    # an EAGLE-3 head reads several layers: the data then holds them (its own cache key)
+    layers = tuple(getattr(getattr(model, "config", None), "feature_layers", ()) or ())
+    cfg = T.RunConfig(seed=seed, target=spec, data=dc, draft=T.DraftConfig(feature_layers=list(layers) or None),
+                      train=T.TrainConfig())
     data = T.build_data(cfg, "heldout", target, tok, log)
     draft = eval_draft_of(model, target)
     res = T.evaluate(T.make_eval(draft, positions), draft.trainable, data, eval_batch)
