@@ -112,8 +112,7 @@ def dataset(a, target, draft, tok):
     for name, eng in engines.items():
         for c in chunks:  # compile every program first
             eng.compile([ids[i] for i in c], row_indices=c, **kw)
-        eng.compile(ids, dataset_batch=b, compact=False, **kw)
-        eng.compile(ids, dataset_batch=b, **kw)
+        eng.compile(ids, dataset_batch=b, **kw)  # compact=False runs a subset of these programs
 
         def fixed():
             outs = [eng.generate([ids[i] for i in c], row_indices=c, **kw) for c in chunks]

@@ -632,27 +632,29 @@ class _Sharded:
             sizes = []
         else:
             try:
-                sizes = [int(m) for m in compact]
+                ok = all(not isinstance(m, bool) and int(m) == m >= 1 for m in compact)
             except (TypeError, ValueError):
-                sizes = None
-            if sizes is None or any(isinstance(m, bool) or int(m) != m or m < 1 for m in compact):
+                ok = False
+            if not ok:
                 raise ValueError(f"compact must be True, False or a list of batch sizes >= 1, got {compact!r}")
+            sizes = [int(m) for m in compact]
         sizes = sorted({m for m in sizes if m < b}, reverse=True)
         return [m for m in sizes if not getattr(self, "adaptive", False) or self.has_costs(m)]
 
     def _tail_executables(self, full: Batch, big, m: int, static_opts: dict):
-        """For a dataset run's tail at ``m`` slots: the arguments of ``m`` rows, the compiled
-        ``_advance`` and ``_finish`` of that batch size, the program that gathers rows
-        ``idx`` (int32[m]) of a running loop state laid out like ``big`` (a loop state or
-        its shapes) into one of ``m`` rows (leaves with a batch axis are gathered along it;
-        batch-level leaves, such as the loop index and adaptive K's evidence, stay), and
-        the shapes of the result. Built once per engine and shapes."""
-        args, static = self._call_args(_batch_rows(full, range(m)), **static_opts)
+        """For a dataset run's tail at ``m`` slots: the compiled ``_advance`` and ``_finish``
+        of that batch size, the program that gathers rows ``idx`` (int32[m]) of a running
+        loop state laid out like ``big`` (a loop state or its shapes) into one of ``m`` rows
+        (leaves with a batch axis are gathered along it; batch-level leaves, such as the
+        loop index and adaptive K's evidence, stay), and the shapes of the result. Built
+        once per engine and shapes."""
+        static = dict(out_cap=full.out_cap, cache_len=full.cache_len)  # as _call_args gives
         big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
         sig = ("_tail", str(jax.tree.structure(big)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(big)),
                m, tuple(sorted(static.items())))
         got = self._compiled.get(sig)
         if got is None:
+            args, static = self._call_args(_batch_rows(full, range(m)), **static_opts)
             small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
             small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small)
             advance = self._executable((small, *self._advance_inputs(args), np.int32(0), np.bool_(False)),
@@ -664,7 +666,7 @@ class _Sharded:
 
             take = jax.jit(gather).lower(big, np.zeros(m, np.int32)).compile()
             got = self._compiled[sig] = (advance, finish, take, small)
-        return args, got
+        return got
 
     def _compile_tail(self, full: Batch, b: int, carry, static_opts: dict, tail: list) -> None:
         """Compile every program a dataset run at ``b`` slots may move its tail to."""
@@ -672,7 +674,7 @@ class _Sharded:
         for size in [b] + tail:
             for m in tail:
                 if m < size:
-                    shapes[m] = self._tail_executables(full, shapes[size], m, static_opts)[1][3]
+                    shapes[m] = self._tail_executables(full, shapes[size], m, static_opts)[3]
 
     def _compile_dataset(self, full: Batch, b: int, static_opts: dict, compact) -> None:
         """The programs of ``generate_dataset(batch_size=b, compact=compact)``."""
@@ -754,7 +756,7 @@ class _Sharded:
                         now = int(jax.device_get(carry.round))
                         stages.append((len(slots), now - stage_start))
                         stage_start = now
-                        _, (advance, finish, take, _) = self._tail_executables(full, carry, m, static_opts)
+                        advance, finish, take, _ = self._tail_executables(full, carry, m, static_opts)
                         carry = take(carry, np.asarray(idx, np.int32))
                         slots = [slots[s] for s in idx]
                     live = [x if x is not None else 0 for x in slots]
@@ -847,30 +849,32 @@ def _more(carry, until, pause):
     return more
 
 
+def _batch_axis(big_shape, small_shape, rows: int, what: str) -> int:
+    """The batch axis of a loop-state leaf: the one axis where its shape at two batch sizes
+    differs (``small_shape`` being the one with ``rows`` rows)."""
+    diff = [a for a, (x, y) in enumerate(zip(big_shape, small_shape)) if x != y]
+    if len(big_shape) != len(small_shape) or len(diff) != 1 or small_shape[diff[0]] != rows:
+        raise ValueError(f"cannot {what}: shapes {tuple(small_shape)} and {tuple(big_shape)}")
+    return diff[0]
+
+
 def _put_row(big, one, slot, batch: int):
     """``big`` with its batch row ``slot`` replaced by ``one`` (the same leaf of a batch of
     one row): the batch axis is the one axis where the shapes differ (a batch of one:
     ``one`` itself); other leaves of the same shape keep ``big``'s value."""
     if big.shape == one.shape:
         return one if batch == 1 else big
-    diff = [a for a, (x, y) in enumerate(zip(big.shape, one.shape)) if x != y]
-    if big.ndim != one.ndim or len(diff) != 1 or one.shape[diff[0]] != 1:
-        raise ValueError(f"cannot insert a row of shape {one.shape} into {big.shape}")
     start = [jnp.int32(0)] * big.ndim
-    start[diff[0]] = jnp.asarray(slot, jnp.int32)
+    start[_batch_axis(big.shape, one.shape, 1, "insert a row")] = jnp.asarray(slot, jnp.int32)
     return jax.lax.dynamic_update_slice(big, one.astype(big.dtype), start)
 
 
 def _take_batch_rows(big, shape, idx):
-    """Rows ``idx`` of ``big`` along its batch axis: the one axis where ``big``'s shape and
-    ``shape`` (the same leaf at ``len(idx)`` rows) differ; a leaf of the same shape is
-    batch-level and stays."""
+    """Rows ``idx`` of ``big`` along its batch axis (:func:`_batch_axis`, ``shape`` being the
+    same leaf at ``len(idx)`` rows); a leaf of the same shape is batch-level and stays."""
     if big.shape == tuple(shape):
         return big
-    diff = [a for a, (x, y) in enumerate(zip(big.shape, shape)) if x != y]
-    if big.ndim != len(shape) or len(diff) != 1 or shape[diff[0]] != idx.shape[0]:
-        raise ValueError(f"cannot take {idx.shape[0]} rows of shape {shape} from {big.shape}")
-    return jnp.take(big, idx, axis=diff[0])
+    return jnp.take(big, idx, axis=_batch_axis(big.shape, shape, idx.shape[0], "take rows"))
 
 
 def _batch_rows(batch: Batch, idx) -> Batch:
