@@ -75,15 +75,17 @@ def hlo_op_names(hlo_text: str) -> dict:
     return out
 
 
-def breakdown(self_t, cnt, n_calls: int) -> dict:
-    """Split the operations into loop-body ones (run more than once per call) and the rest;
-    ``iterations`` is the most common count among loop-body operations."""
+def breakdown(self_t, cnt, n_calls: int, iterations: int) -> dict:
+    """Split the operations into loop-body ones (run more than once per call) and the rest.
+    ``iterations`` is the loop's iteration count as the engine reports it (times are divided
+    by it); ``trace_iterations``, the most common count among loop-body operations, is the
+    trace's own view of it (a check: the profiler may lose a few events on a loaded machine)."""
     ops = {n: (d, cnt[n]) for n, d in self_t.items() if not n.startswith(_SKIP)}
     loop = {n: v for n, v in ops.items() if v[1] > n_calls}
     counts = collections.Counter(c for _, c in loop.values())
-    iterations = counts.most_common(1)[0][0] if counts else 1
+    seen = counts.most_common(1)[0][0] if counts else 0
     once = {n: v for n, v in ops.items() if v[1] <= n_calls}
-    return dict(loop=loop, once=once, iterations=iterations)
+    return dict(loop=loop, once=once, iterations=max(int(iterations), 1), trace_iterations=seen)
 
 
 def _kind(name: str) -> str:
@@ -112,7 +114,7 @@ def report(title: str, b: dict, hlo: dict, n_calls: int, top: int, unit: str) ->
     for d, n, c in rows[:top]:
         shape, op = hlo.get(n, ("?", ""))
         print(f"  {d / 1e3 / it:8.3f}  x{c / it:4.1f}  {n:36s} {shape[:34]:34s} {op[-70:]}")
-    return dict(iterations=it, per_iteration_ms=total, model_kernels_ms=model, other_ms=total - model,
+    return dict(iterations=it, trace_iterations=b["trace_iterations"], per_iteration_ms=total, model_kernels_ms=model, other_ms=total - model,
                 once_per_call_ms=once, by_kind_ms={k: d / 1e3 / it for k, d in kinds.most_common()})
 
 
@@ -171,14 +173,17 @@ def main(argv=None) -> dict:
         out = eng.generate(rows(i), seed=i, sampling_params=sp, max_new_tokens=a.tokens)
         rounds.append(int(out.raw["iterations"]))
 
+    steps = []
+
     def ar(i):
-        generate_autoregressive(target, rows(i), seed=i, sampling_params=sp, max_new_tokens=a.tokens)
+        out = generate_autoregressive(target, rows(i), seed=i, sampling_params=sp, max_new_tokens=a.tokens)
+        steps.append(int(out.raw["iterations"]))
 
     t0 = time.time()
     for i in range(a.prompts):  # compile (every prompt bucket) and warm up
         spec(i), ar(i)
     print(f"[profile] compiled in {time.time() - t0:.1f}s; draft {ddesc}")
-    rounds.clear()
+    rounds.clear(), steps.clear()
     t0 = time.time()
     spec_trace = _profile(spec, a.prompts, os.path.join(a.out, "speculative"))
     spec_wall = time.time() - t0
@@ -192,10 +197,10 @@ def main(argv=None) -> dict:
     print(f"[profile] speculative K={a.k} T={a.temperature} batch {a.batch}: {sum(rounds)} rounds for "
           f"{a.prompts} x {a.tokens} tokens per row ({a.prompts * a.tokens / sum(rounds):.2f} tokens/round per row); "
           f"wall with the profiler on: speculative {spec_wall:.2f}s, autoregressive {ar_wall:.2f}s")
-    b = breakdown(*self_times(spec_trace), a.prompts)
+    b = breakdown(*self_times(spec_trace), a.prompts, sum(rounds))
     summary = dict(args=vars(a), rounds=sum(rounds),
                    speculative=report(f"speculative, K={a.k}", b, hlo, a.prompts, a.top, "round"))
-    b_ar = breakdown(*self_times(ar_trace), a.prompts)
+    b_ar = breakdown(*self_times(ar_trace), a.prompts, sum(steps))
     summary["autoregressive"] = report("autoregressive", b_ar, {}, a.prompts, min(a.top, 5), "step")
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
