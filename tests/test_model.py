@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from specjax.models.base import KVCache, ModelOutput
-from specjax.models.llama import LlamaConfig, LlamaLM, RopeScaling, rope_inv_freq, tiny_config
+from specjax.models.llama import LlamaConfig, LlamaLM, RopeScaling, default_scan_layers, rope_inv_freq, tiny_config
 
 ATOL = 1e-5
 
@@ -243,6 +243,21 @@ def test_config_validation_and_rope_scaling():
     np.testing.assert_allclose(scaled[:4], base[:4], rtol=1e-6)
     np.testing.assert_allclose(scaled[-4:], base[-4:] / 8.0, rtol=1e-6)
     assert isinstance(cfg, LlamaConfig)
+
+
+def test_layer_mode_auto_follows_the_backend():
+    # unrolled where it was measured faster (CPU, an H200), scanned on TPU
+    assert [default_scan_layers(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [False, False, False, True]
+    assert tiny_config(scan_layers="auto").scan_layers is (jax.default_backend() == "tpu")
+    assert tiny_config(scan_layers=True).scan_layers is True
+    with pytest.raises(ValueError, match="scan_layers must be true, false or 'auto'"):
+        tiny_config(scan_layers="yes")
+    from specjax.build import load_target
+    from specjax.models.config import load_model_config
+
+    for preset in ("llama3-8b-shape", "llama3-1b-shape", "smollm2-135m"):  # the presets say auto
+        assert load_model_config(preset).scan_layers is default_scan_layers()
+    assert load_target("tiny")[0].config.scan_layers is default_scan_layers()
 
 
 @pytest.mark.parametrize("chunk", [4, 8])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -47,7 +47,9 @@ class BenchConfig:
     draft: str = "default"  # default (specjax.drafts.files.default_draft_for) | lookup | layers:N | path
     param_dtype: str = "float32"
     dtype: Optional[str] = None  # compute dtype; None = param_dtype
-    scan_layers: bool = False  # lax.scan over layers: much faster compiles, slower CPU decode
+    # lax.scan over layers (much faster compiles; slower decode on CPU and GPU) or unrolled;
+    # "auto": the backend's faster mode (unrolled on CPU/GPU, scanned on TPU)
+    scan_layers: Any = "auto"
     # workload
     prompts_file: str = "configs/bench/prompts.txt"
     num_prompts: int = 16
