@@ -11,6 +11,13 @@ itself is no slower than with XLA's dot. Above ``MAX_ROWS`` rows it switches to 
 64-column panels and row blocks that does the same sums, element by element, so it serves
 every M (prefill, large batches) with a row's result independent of M.
 
+Scanned layers keep their weights stacked ``[L, K, N]``; XLA would copy a layer's slice out
+of the stack before every call of an opaque matmul (a dynamic slice feeding a custom call is
+materialized), so the same kernel has a stacked handler (``specjax_small_matmul_stacked``,
+:func:`small_matmul_stacked`) that takes the stack and the layer index and reads that
+layer where it lies: a scanned decode step then streams each weight once, as an unrolled
+one does.
+
 ``models/kernels/rms_norm.cc`` sums each row's squares in one fixed order: XLA's reduce
 picks its order (and whether a multiply is contracted into its adds) from the whole shape,
 so a row's norm, hence every later float, changed with the batch size.
@@ -67,6 +74,8 @@ COL_MULTIPLE = 64
 KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"
 TARGET_F16 = "specjax_small_matmul_f16"  # float16 weights (float32 x and y)
+STACKED_TARGET = "specjax_small_matmul_stacked"  # one layer of stacked w[L, K, N], read in place
+STACKED_TARGET_F16 = "specjax_small_matmul_stacked_f16"
 ATTENTION_TARGET = "specjax_attention"
 TREE_ATTENTION_TARGET = "specjax_tree_attention"  # the same kernel with a draft tree's mask
 RMS_NORM_TARGET = "specjax_rms_norm"
@@ -150,6 +159,9 @@ def _build_and_register() -> tuple:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.SpecjaxSmallMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulF16), platform="cpu")
+        jax.ffi.register_ffi_target(STACKED_TARGET, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulStacked), platform="cpu")
+        jax.ffi.register_ffi_target(STACKED_TARGET_F16, jax.ffi.pycapsule(lib.SpecjaxSmallMatmulStackedF16),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
         jax.ffi.register_ffi_target(TREE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxTreeAttention),
                                     platform="cpu")
@@ -201,6 +213,33 @@ def _small_matmul_jvp(primals, tangents):
     x, w = primals
     dx, dw = tangents  # instantiated (zeros where a primal has no tangent)
     return small_matmul(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)
+
+
+@jax.custom_jvp
+def small_matmul_stacked(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    """``x[M, K] @ w[layer]`` for stacked weights ``w[L, K, N]`` (scanned layers; N a multiple
+    of 64) with the FFI kernel reading that layer where it lies, so the layer's slice is never
+    copied out of the stack; the same sums as :func:`small_matmul` of the slice."""
+    _require()
+    target = STACKED_TARGET_F16 if w.dtype == jnp.float16 else STACKED_TARGET
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32),
+                            vmap_method="sequential")(x, w, jnp.asarray(layer, jnp.int32))
+
+
+@small_matmul_stacked.defjvp
+def _small_matmul_stacked_jvp(primals, tangents):
+    x, w, layer = primals
+    dx, dw, _ = tangents  # the layer index is an integer: no tangent
+    wl = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+    dwl = jax.lax.dynamic_index_in_dim(dw, layer, 0, keepdims=False)
+    return small_matmul_stacked(x, w, layer), jnp.dot(dx, wl) + jnp.dot(x, dwl)
+
+
+def use_small_matmul_stacked(mode: str, x: jax.Array, w: jax.Array) -> bool:
+    """Trace-time choice for ``x[M, K] @ w[layer]`` with stacked ``w[L, K, N]``: as
+    :func:`use_small_matmul`, and N a multiple of 64 (padding would copy the stack)."""
+    return (w.ndim == 3 and w.shape[2] % COL_MULTIPLE == 0
+            and use_small_matmul(mode, x, jax.ShapeDtypeStruct(w.shape[1:], w.dtype)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -62,8 +62,8 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
 from specjax.models.base import KVCache, ModelOutput, TreeAttention, hidden_indices
-from specjax.models.cpu_kernels import (KERNEL_MODES, attention_raw, rms_norm_raw, small_matmul, use_attention,
-                                        use_rms_norm, use_small_matmul)
+from specjax.models.cpu_kernels import (KERNEL_MODES, attention_raw, rms_norm_raw, small_matmul, small_matmul_stacked,
+                                        use_attention, use_rms_norm, use_small_matmul, use_small_matmul_stacked)
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -78,11 +78,13 @@ SCANNED_BACKENDS = ("tpu",)  # where scan_layers="auto" scans
 
 def default_scan_layers(backend: Optional[str] = None) -> bool:
     """The layer mode ``scan_layers="auto"`` picks for ``backend`` (default: JAX's default
-    backend): scanned on TPU, unrolled elsewhere. Measured (BENCHMARKS.md): unrolled decodes
-    faster on CPU (about 1.7x at batch 1, SmolLM2-135M) and on an NVIDIA H200 (random
-    llama3-8b-shape in bf16: 4.8 vs 11.9 ms per token), where a scanned layer's weights are
-    sliced out of the stacked parameters, a copy, on every step. On TPU the scan is kept for
-    compile time on large models and pods (its decode speed there is not measured here)."""
+    backend): scanned on TPU, unrolled elsewhere. Measured (BENCHMARKS.md): on an NVIDIA H200
+    unrolled decodes faster (random llama3-8b-shape in bf16: 4.8 vs 11.9 ms per token), where
+    XLA copies a scanned layer's weights out of the stacked parameters on every step; on CPU
+    the float32 kernels read the stack in place (scanned = unrolled speed, 27.1 vs 27.7 ms
+    for SmolLM2-135M), but XLA's ops (bf16, ``cpu_kernels="xla"``) copy as on the GPU
+    (47.5 ms before the stacked kernel). On TPU the scan is kept for compile time on large
+    models and pods (its decode speed there is not measured here)."""
     return (backend or jax.default_backend()) in SCANNED_BACKENDS
 
 
@@ -741,13 +743,34 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, w: Mapping[str, Any], stacked: bool = False):
         self.cfg = cfg
+        self.stacked = stacked  # every parameter [L, ...]; a call reads layer `layer` of it
         pd = cfg.weight_dtype
         for k, names in layer_param_names(cfg).items():
             setattr(self, k, _param(jnp.asarray(w[k], pd), (("layers",) if stacked else ()) + names))
 
+    def _p(self, name, layer):
+        """A small parameter of this layer (norms, biases): sliced out of the stack if stacked."""
+        v = getattr(self, name)[...]
+        return jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) if self.stacked else v
+
+    def _mm(self, x, name, layer):
+        """x @ this layer's weight ``name``: a stacked weight is read in place by the CPU kernel
+        (no per-layer copy out of the stack), else sliced for XLA's dot."""
+        w = getattr(self, name)[...]
+        dt = self.cfg.compute_dtype
+        if not self.stacked:
+            return _linear(x, w.astype(dt), self.cfg.cpu_kernels)
+        B, T, D = x.shape
+        w3 = w.reshape(w.shape[0], D, -1)
+        x2 = x.reshape(B * T, D)
+        if w3.dtype == dt and use_small_matmul_stacked(self.cfg.cpu_kernels, x2, w3):
+            return small_matmul_stacked(x2, w3, layer).reshape(B, T, -1)
+        return _linear(x, jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(dt), self.cfg.cpu_kernels)
+
     def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None, tree=None):
-        """``window``: this layer's sliding window (an int, traced in the scanned path) or
-        None for full causal attention. ``tree``: ``(slots [B, T], lengths, mask,
+        """``layer``: this layer's index (into the cache, and into the parameters when
+        stacked). ``window``: this layer's sliding window (an int, traced in the scanned path)
+        or None for full causal attention. ``tree``: ``(slots [B, T], lengths, mask,
         region_depth)`` for tree attention (new KV written at ``slots``; the attention kernel
         where the causal call would use it, else XLA's)."""
         cfg = self.cfg
@@ -756,14 +779,14 @@ class Block(nnx.Module):
         Nkv, G, H = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
         off, eps, ck = cfg.norm_offset, cfg.norm_eps, cfg.cpu_kernels
 
-        h = rms_norm(x, self.attn_norm[...], eps, off, ck)
-        qkv = _linear(h, self.wqkv[...].astype(dt), cfg.cpu_kernels).reshape(B, T, Nkv, G + 2, H)
+        h = rms_norm(x, self._p("attn_norm", layer), eps, off, ck)
+        qkv = self._mm(h, "wqkv", layer).reshape(B, T, Nkv, G + 2, H)
         if cfg.qkv_bias:
-            qkv = qkv + self.bqkv[...].astype(dt)
+            qkv = qkv + self._p("bqkv", layer).astype(dt)
         q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], eps, off, ck)
-            k = rms_norm(k, self.k_norm[...], eps, off, ck)
+            q = rms_norm(q, self._p("q_norm", layer), eps, off, ck)
+            k = rms_norm(k, self._p("k_norm", layer), eps, off, ck)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         slots = positions if tree is None else tree[0]
@@ -776,21 +799,21 @@ class Block(nnx.Module):
                                  tree=tv, **attn)
         else:
             o = cached_attention(q, k_all, v_all, layer, positions, cfg.attn_chunk, tree=tv, **attn)  # [B,T,Nkv,G,H]
-        h = _linear(o.reshape(B, T, cfg.n_heads * H), self.wo[...].astype(dt), cfg.cpu_kernels)
+        h = self._mm(o.reshape(B, T, cfg.n_heads * H), "wo", layer)
         if cfg.sandwich_norm:
-            h = rms_norm(h, self.post_attn_norm[...], eps, off, ck)
+            h = rms_norm(h, self._p("post_attn_norm", layer), eps, off, ck)
         x = x + h
         x = constrain(x, ("batch", None, "embed"))
 
-        h = rms_norm(x, self.mlp_norm[...], eps, off, ck)
-        gu = _linear(h, self.w_gate_up[...].astype(dt), cfg.cpu_kernels).reshape(B, T, 2, cfg.ffn_dim)
+        h = rms_norm(x, self._p("mlp_norm", layer), eps, off, ck)
+        gu = self._mm(h, "w_gate_up", layer).reshape(B, T, 2, cfg.ffn_dim)
         if cfg.mlp_act == "gelu_tanh":
             a = jax.nn.gelu(gu[:, :, 0], approximate=True) * gu[:, :, 1]
         else:
             a = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
-        h = _linear(a, self.w_down[...].astype(dt), cfg.cpu_kernels)
+        h = self._mm(a, "w_down", layer)
         if cfg.sandwich_norm:
-            h = rms_norm(h, self.post_mlp_norm[...], eps, off, ck)
+            h = rms_norm(h, self._p("post_mlp_norm", layer), eps, off, ck)
         x = x + h
         x = constrain(x, ("batch", None, "embed"))
         return x, k_all, v_all
@@ -900,8 +923,8 @@ class Llama(nnx.Module):
                     (x, k_all, v_all), acc = carry
                 else:
                     x, k_all, v_all = carry
-                st, i, is_sliding = xs
-                blk = nnx.merge(graphdef, st)
+                i, is_sliding = xs
+                blk = nnx.merge(graphdef, state)  # the whole stack: it reads layer i itself
                 if mixed:
                     window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW)
                     c, s = (jnp.where(is_sliding, cos_l, cos), jnp.where(is_sliding, sin_l, sin)) if local else (cos, sin)
@@ -920,7 +943,7 @@ class Llama(nnx.Module):
                 carry = (carry, jnp.zeros((len(taken),) + x.shape, x.dtype))
             carry, _ = jax.lax.scan(
                 body, carry,
-                (state, jnp.arange(cfg.n_layers, dtype=jnp.int32), jnp.asarray(sliding, bool)),
+                (jnp.arange(cfg.n_layers, dtype=jnp.int32), jnp.asarray(sliding, bool)),
             )
             if taken:
                 carry, acc = carry

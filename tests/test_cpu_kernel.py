@@ -160,6 +160,45 @@ def test_model_uses_the_kernel_and_matches_xla():
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=2e-5)
 
 
+def test_stacked_weights_are_read_in_place_with_the_slices_bits():
+    """Scanned layers: the stacked kernel reads layer l of w[L, K, N] where it lies and gives
+    the 2-D kernel's bits for the slice; its gradient is XLA's; a whole scanned model takes it
+    for every layer matmul, gives the unrolled model's logits (to float32 rounding: the
+    elementwise ops fuse differently inside the scan) and its gradient matches XLA's ops."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 96), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((3, 96, 128), dtype=np.float32))
+    for layer in range(3):
+        got = jax.jit(ck.small_matmul_stacked)(x, w, jnp.int32(layer))
+        np.testing.assert_array_equal(got, ck.small_matmul(x, w[layer]))
+    c = jnp.asarray(rng.standard_normal((5, 128), dtype=np.float32))
+    gk = jax.grad(lambda x, w: jnp.sum(ck.small_matmul_stacked(x, w, jnp.int32(1)) * c), argnums=(0, 1))(x, w)
+    gx = jax.grad(lambda x, w: jnp.sum((x @ w[1]) * c), argnums=(0, 1))(x, w)
+    for a, b in zip(gk, gx):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    assert ck.use_small_matmul_stacked("auto", x, w) and not ck.use_small_matmul_stacked("auto", x, w[:, :, :100])
+
+    # every weight's N a multiple of 64, so every matmul of a scanned layer takes the stacked kernel
+    cfg = tiny_config(vocab_size=128, n_layers=3, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)
+    unrolled = LlamaLM.init(cfg, seed=0)
+    scanned = unrolled.with_config(scan_layers=True)
+    toks = jnp.asarray(rng.integers(0, 128, (2, 7)), jnp.int32)
+    hlo = jax.jit(scanned.apply).lower(scanned.params, toks, scanned.init_cache(2, 16)).as_text()
+    assert hlo.count(ck.STACKED_TARGET) == 4  # wqkv, wo, w_gate_up, w_down in the scanned body
+    for T in (7, 1):
+        lu = unrolled.apply(unrolled.params, toks[:, :T], unrolled.init_cache(2, 16)).logits
+        ls = scanned.apply(scanned.params, toks[:, :T], scanned.init_cache(2, 16)).logits
+        np.testing.assert_allclose(ls, lu, rtol=1e-5, atol=1e-5)
+    xla = scanned.with_config(cpu_kernels="xla")
+
+    def loss(m):
+        return lambda p: jnp.sum(m.apply(p, toks, m.init_cache(2, 16)).logits ** 2)
+
+    for a, b in zip(jax.tree.leaves(jax.grad(loss(scanned))(scanned.params)),
+                    jax.tree.leaves(jax.grad(loss(xla))(xla.params))):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * float(jnp.max(jnp.abs(b))))
+
+
 def test_cache_dir_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(tmp_path))
     p1 = ck.build()

@@ -189,18 +189,19 @@ struct BigJob {
   }
 };
 
+// y[M, N] = x[M, K] @ w[K, N] for the K x N weights at wp (row-major). Shared by the 2-D
+// handlers and the stacked ones, which read one layer of w[L, K, N] in place.
 template <ffi::DataType WT, class W>
-ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
-                           ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* wp, int64_t k, int64_t n,
+                      ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % 64 != 0 || xd[0] < 1)
+  if (xd.size() != 2 || xd[1] != k || n % 64 != 0 || xd[0] < 1)
     return ffi::Error::InvalidArgument(
         "specjax small_matmul: expected x[M, K] and w[K, N] with N a multiple of 64");
   if constexpr (WT == ffi::F16) {
     if (!kHaveF16) return ffi::Error::InvalidArgument("specjax small_matmul: float16 weights need F16C");
   }
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  const int64_t m = xd[0];
   int64_t threads = pool.num_threads();
   if (threads < 1) threads = 1;
   // The K ranges: their number depends only on N, K and the thread count (never on M), and
@@ -218,7 +219,7 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     for (int64_t t = 0; t < m; ++t)
       for (int64_t i = 0; i < k; ++i) xt_buf[((t / kMaxRows) * k + i) * kMaxRows + t % kMaxRows] = xp[t * k + i];
     BigJob<W> job;
-    job.w = reinterpret_cast<const W*>(w.typed_data());
+    job.w = wp;
     job.xt = xt_buf.data();
     job.y = y->typed_data();
     job.m = m;
@@ -248,7 +249,7 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   // (one column block) by two row ranges per thread.
 
   Job<W> job;
-  job.w = reinterpret_cast<const W*>(w.typed_data());
+  job.w = wp;
   job.xt = xt_buf.data();
   job.m = m;
   job.k = k;
@@ -272,8 +273,44 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+template <ffi::DataType WT, class W>
+ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("specjax small_matmul: expected w[K, N]");
+  return MatmulCore<WT, W>(pool, x, reinterpret_cast<const W*>(w.typed_data()), wd[0], wd[1], y);
+}
+
+// Layer `layer` of stacked weights w[L, K, N] (scanned layers), read where it lies: XLA would
+// otherwise copy the layer's slice out of the stack on every call (a dynamic slice feeding an
+// opaque call is materialized), which doubled the weight traffic of a scanned decode step.
+template <ffi::DataType WT, class W>
+ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 3) return ffi::Error::InvalidArgument("specjax stacked small_matmul: expected w[L, K, N]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("specjax stacked small_matmul: layer out of range");
+  const W* base = reinterpret_cast<const W*>(w.typed_data());
+  return MatmulCore<WT, W>(pool, x, base + l * wd[1] * wd[2], wd[1], wd[2], y);
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulStacked, (StackedMatmulImpl<ffi::F32, float>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulStackedF16, (StackedMatmulImpl<ffi::F16, uint16_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmul, (SmallMatmulImpl<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
