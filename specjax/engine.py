@@ -539,6 +539,17 @@ class _Sharded:
     def _context(self):
         return contextlib.nullcontext() if self.sharding is None else self.sharding.context()
 
+    def lower(self, prompts, **kwargs):
+        """Ahead-of-time: ``jax.jit(...).lower`` of the program ``generate`` would run with
+        these arguments (the models' params may be abstract ``jax.ShapeDtypeStruct``s;
+        ``greedy=`` for the autoregressive engine); ``.compile()`` it for the compiled HLO and
+        its memory analysis (``temp_size_in_bytes``: what the program allocates besides its
+        inputs and outputs, where a copy of a cache or of a layer's weights would show)."""
+        opts = {"greedy": kwargs.pop("greedy")} if "greedy" in kwargs else {}
+        args, static = self._call_args(self.prepare(prompts, **kwargs), **opts)
+        with self._context():
+            return self._run.lower(*args, **static)
+
     def _placed(self, params, role):
         """Parameters in the shardings the rules give (moved there if they are not)."""
         if self.sharding is None or params is None:
@@ -1527,13 +1538,6 @@ class SpeculativeEngine(_Sharded):
         args, static = self._call_args(batch)
         self._stream_executables(args, static) if stream else self._executable(args, static)
 
-    def lower(self, prompts, **kwargs):
-        """Ahead-of-time: ``jax.jit(...).lower`` of the program ``generate`` would run with
-        these arguments (the models' params may be abstract ``jax.ShapeDtypeStruct``s);
-        ``.compile()`` it for the compiled HLO and its memory analysis."""
-        args, static = self._call_args(self.prepare(prompts, **kwargs))
-        with self._context():
-            return self._run.lower(*args, **static)
 
 
 # --------------------------------------------------------------------------------------
