@@ -348,11 +348,22 @@ def _mass_above(c, pc):
     return jnp.take_along_axis(excl, start, axis=-1)
 
 
+# backends where row_sum adds in its fixed pairwise order (CPU: a row's bits do not depend
+# on the batch there, tests/test_batch_invariance.py). Elsewhere one XLA reduce: the
+# pairwise tree is ~log2(V) dependent passes over the row, i.e. as many kernels per sum on
+# a GPU, for bits that its matmuls do not keep batch-independent anyway.
+PAIRWISE_SUM_BACKENDS = ("cpu",)
+
+
 def row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis in a fixed pairwise order that depends only on its length
-    (elementwise adds of neighbouring pairs, level by level), so a row's sum does not depend on how many rows there
-    are: XLA's reduce picks its summation order, hence the bits, from the whole shape (on
-    CPU a row's log-softmax or overlap alpha changed with the batch size)."""
+    """Sum over the last axis. On CPU (:data:`PAIRWISE_SUM_BACKENDS`) in a fixed pairwise
+    order that depends only on its length (elementwise adds of neighbouring pairs, level by
+    level), so a row's sum does not depend on how many rows there are: XLA's reduce picks
+    its summation order, hence the bits, from the whole shape (on CPU a row's log-softmax or
+    overlap alpha changed with the batch size). On other backends XLA's reduce (one kernel;
+    the same sum up to float32 rounding)."""
+    if jax.default_backend() not in PAIRWISE_SUM_BACKENDS:
+        return jnp.sum(x, axis=-1)
     # neighbours first (x[2i] + x[2i+1], via a reshape): a vocabulary sharded in contiguous
     # blocks keeps every level inside its shards until the blocks are a few entries long
     # (halves of the whole axis would move half of every shard to another device)

@@ -277,3 +277,36 @@ def test_top_values_is_an_argument_of_the_pipeline():
     rows = sampling.process_rows(logits, params, None, jnp.asarray(False),
                                  top_values=lambda z, m: -jnp.sort(-z, axis=-1)[:, :m])
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(base))
+
+
+def test_row_sum_off_cpu_is_one_reduce_with_the_same_sums(monkeypatch, target, draft):
+    """Off CPU (``PAIRWISE_SUM_BACKENDS``) row_sum is XLA's one reduce instead of the pairwise
+    tree that buys CPU its batch-independent bits; the GPU/TPU path runs here through the
+    same switch: the same sums up to float32 rounding, and an engine on that path still
+    gives the autoregressive greedy tokens (exactness does not rest on the order)."""
+    from specjax import engine, sampling
+    from specjax.drafts import DraftModelProposer
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 49153)), jnp.float32)
+    tree = jax.jit(lambda a: sampling.row_sum(a))(x)
+    assert "concatenate" in str(jax.make_jaxpr(lambda a: sampling.row_sum(a))(x))  # CPU: pairwise levels
+    prompts = [[1, 2, 3], [4, 5], [6, 6, 6, 1]]
+    greedy = SamplingConfig(temperature=0.0)
+    monkeypatch.setattr(sampling, "PAIRWISE_SUM_BACKENDS", ())
+    jax.clear_caches()  # traces made with the pairwise order must not be reused (nor kept, below)
+    try:
+        jaxpr = str(jax.make_jaxpr(lambda a: sampling.row_sum(a))(x))
+        assert jaxpr.count("reduce_sum") == 1 and "concatenate" not in jaxpr
+        np.testing.assert_allclose(jax.jit(lambda a: sampling.row_sum(a))(x), tree, rtol=2e-5, atol=1e-4)
+        np.testing.assert_allclose(sampling.logsumexp(x), jax.nn.logsumexp(x, axis=-1), rtol=1e-6)
+        spec = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
+        hlo = spec.lower(prompts, seed=1, max_new_tokens=12, sampling_params=greedy).as_text()
+        got = spec.generate(prompts, seed=1, max_new_tokens=12, sampling_params=greedy)
+        want = engine.AutoregressiveEngine(target).generate(prompts, seed=1, max_new_tokens=12, greedy=True)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert got.tokens == want.tokens
+    pairwise = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
+    # the program really took the other path: fewer ops than the pairwise one
+    assert len(hlo) < len(pairwise.lower(prompts, seed=1, max_new_tokens=12, sampling_params=greedy).as_text())
