@@ -1,6 +1,7 @@
 """scripts/eval_heldout.py on a tiny target: a draft file read back scores on held-out prompts
-what training's own evaluation gives for the same head (same cached data, same numbers), and
-'#' lines of a prompt file are comments."""
+what training's own evaluation gives for the same head (same cached data, same numbers), for
+EAGLE-1 and EAGLE-3 heads (the latter's data holds the layers it reads), and '#' lines of a
+prompt file are comments."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,8 @@ def files(tmp_path_factory):
     return None, str(ho), str(d / "cache")
 
 
-def test_draft_file_scores_what_training_evaluation_scores(files, tmp_path):
+@pytest.mark.parametrize("layers", [None, [0, 2, 1]], ids=["eagle", "eagle3"])
+def test_draft_file_scores_what_training_evaluation_scores(files, tmp_path, layers):
     from scripts.eval_heldout import heldout_eval, table
 
     _, ho, cache = files
@@ -32,7 +34,7 @@ def test_draft_file_scores_what_training_evaluation_scores(files, tmp_path):
     cfg = T.RunConfig(seed=2, target=spec,
                       data=T.DataConfig(prompts=ho, heldout=ho, prompt_format="ids", max_new_tokens=12,
                                         gen_batch=16, teacher_batch=16, cache_dir=cache),
-                      draft=T.DraftConfig(kind="eagle", vocab_subset=48, init="target_last"),
+                      draft=T.DraftConfig(kind="eagle", vocab_subset=48, init="target_last", feature_layers=layers),
                       train=T.TrainConfig(export_dtype="float32"))
     held = T.build_data(cfg, "heldout", target, None, log=lambda s: None)
     assert held["tokens"].shape[0] == 6  # the '#' line is a comment
@@ -42,6 +44,7 @@ def test_draft_file_scores_what_training_evaluation_scores(files, tmp_path):
     path = str(tmp_path / "draft.npz")
     T.export_draft(cfg, draft, path, {})
     model = load_draft_model(path, target, param_dtype="float32")
+    assert tuple(model.config.feature_layers) == tuple(layers or ())
     logs = []
     got = heldout_eval(target, None, model, ho, target_spec=spec, prompt_format="ids", max_new=12, positions=3,
                        seed=2, cache_dir=cache, eval_batch=3, log=logs.append)

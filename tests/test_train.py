@@ -133,8 +133,14 @@ def test_shipped_training_configs_load():
         T.load_config(p)
 
 
-def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files, tmp_path, target):
-    draft = dict(kind="target_init", n_layers=1, freeze_embed=True)
+@pytest.mark.parametrize("draft", [
+    dict(kind="target_init", n_layers=1, freeze_embed=True),
+    # EAGLE-3 with training-time test over 2 positions: its optimizer, data order and the
+    # unrolled steps' keys all come back from the checkpoint
+    dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="target_last",
+         feature_layers=[0, 1, 2]),
+], ids=["target_init", "eagle3"])
+def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files, tmp_path, target, draft):
     kw = dict(steps=12, ckpt_every=4, eval_every=12, warmup=2)
     first = _cfg(prompt_files, tmp_path / "full", draft, **kw)
     for split in ("train", "heldout"):  # generated here unless an earlier test did it
@@ -149,6 +155,10 @@ def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files
     la, _ = _curve(tmp_path / "full")
     lb, _ = _curve(tmp_path / "killed")
     assert la == lb  # same config -> same loss curve
+    if draft["kind"] == "eagle":
+        prop = make_proposer(load_draft_model(str(tmp_path / "killed" / "draft.npz"), target), 2, target.vocab_size)
+        assert prop.hidden_layers == (0, 1, 2)
+        return
     # frozen embedding: the exported file holds no embedding and loads from the target
     prop = make_proposer(load_draft_model(str(tmp_path / "killed" / "draft.npz"), target), 2, target.vocab_size)
     np.testing.assert_array_equal(prop.model.canonical_weights()["embed"], target.canonical_weights()["embed"])

@@ -1,7 +1,8 @@
 """Draft trees through the engine: the exact law of whole generations (chi-square against
 the target's chain law, several rounds with rollback) for a tree grown by a tiny draft
-model and for SAMPLED trees grown by an EAGLE head (i.i.d. and without-replacement
-candidates, a reduced-vocabulary head), mutants the law test rejects (a wrong tree mask,
+model and for SAMPLED trees grown by an EAGLE head (i.i.d. candidates from an EAGLE-1 head;
+without-replacement candidates from a reduced-vocabulary EAGLE-3 head, which reads several of
+the target's layers along the accepted path), mutants the law test rejects (a wrong tree mask,
 the accepted path's KV left where it was, siblings drawn without replacement but verified
 as i.i.d.), greedy trees equal autoregressive greedy decoding, a chain as a tree draws
 what the chain verifier draws, streaming and batch invariance."""
@@ -41,9 +42,9 @@ def _tree(draft):
     return DraftModelTreeProposer(model=draft, topk=2, depth=2, nodes=4)
 
 
-def _eagle(target, subset=0):
+def _eagle(target, subset=0, layers=()):
     cfg = EagleConfig.for_target(target.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32,
-                                 vocab_subset=subset)
+                                 vocab_subset=subset, feature_layers=layers)
     tm = np.array([0, 2, 3, 5, 6, 7]) if subset else None
     return EagleModel.for_target(target, cfg, token_map=tm, seed=3)
 
@@ -57,8 +58,9 @@ class _DrawnWithoutReplacementVerifiedIid(EagleTreeProposer):
 
 
 def _sampled(target, variant):
-    if variant == "eagle_without_replacement_subset":
-        return EagleTreeProposer(model=_eagle(target, 6), candidates="without_replacement", branching=(3, 2))
+    if variant == "eagle3_without_replacement_subset":  # the embeddings, after layer 1, the final norm
+        return EagleTreeProposer(model=_eagle(target, 6, (1, 0, 2)), candidates="without_replacement",
+                                 branching=(3, 2))
     if variant == "eagle_iid":
         return EagleTreeProposer(model=_eagle(target), candidates="iid", branching=(2, 2))
     return _DrawnWithoutReplacementVerifiedIid(model=_eagle(target), candidates="iid", branching=(3, 1))
@@ -91,7 +93,7 @@ def _hist(eng):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tree", "tree_mutant_causal_mask", "tree_mutant_path_not_moved",
-                                     "eagle_without_replacement_subset", "eagle_iid",
+                                     "eagle3_without_replacement_subset", "eagle_iid",
                                      "eagle_mutant_without_replacement_as_iid"])
 def test_tree_engine_law(target, draft, law, variant):
     if variant.startswith("eagle"):
