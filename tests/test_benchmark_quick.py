@@ -119,3 +119,28 @@ def test_profile_round_tiny(tmp_path):
             assert r["model_kernels_ms"] > 0
         assert abs(sum(r["by_kind_ms"].values()) - r["per_iteration_ms"]) < 1e-6
     assert "heaviest single operations" in res.stdout
+
+
+def test_bench_step_roofline_on_a_random_preset(capsys):
+    """scripts/bench_step.py on a preset with random weights: every time also as GB/s, the
+    engine's step, and the decode loop's temporaries against one layer's weights."""
+    from scripts import bench_step
+
+    bench_step.main(["--random", "--model", "tiny", "--layers", "scan", "--ts", "1,2", "--repeats", "2",
+                     "--decode", "4", "--engine", "16", "--max-len", "64", "--cache-len", "16", "--peak-gbs", "100"])
+    out = capsys.readouterr().out
+    assert "scan_layers=True" in out and "peak=100 GB/s" in out
+    steps = [ln for ln in out.splitlines() if ln.startswith(("T=1:", "T=2:", "decode:"))]
+    assert len(steps) == 3 and all("GB/s = " in ln and "% of peak" in ln for ln in steps), steps
+    assert "decode loop temporaries:" in out and "one layer's weights:" in out
+    assert "engine:" in out
+    r = bench_step.Roofline(bench_step.random_model(
+        __import__("specjax.models.config", fromlist=["x"]).load_model_config("tiny")), 2, 10, None)
+    assert r.kv_bytes(1) > 0 and r.bytes(1) == r.weight_bytes + r.kv_bytes(1) and bench_step.device_peak("cpu") is None
+    assert bench_step.device_peak("NVIDIA H200") == 4.8e12 and bench_step.device_peak("TPU v5 lite") == 0.819e12
+
+
+def test_accel_slot_refuses_an_unknown_stage(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "accel_slot.py"), "--smoke", "--stages", "roofline,nope",
+                        "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "unknown stages ['nope']" in r.stderr
