@@ -64,6 +64,22 @@ def test_engine_law_matches_target_chain(target, draft, method, case):
     assert chi.p_value > ALPHA_SIG, f"{method}/{case}: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
+def test_bfloat16_target_runs_with_float32_probability_math(target, draft):
+    """bfloat16 weights and compute for the target (the accelerator setting): the engines run
+    it (its logits come out float32 and are processed in float32, as every model's), and
+    greedy speculative decoding gives the autoregressive engine's greedy tokens. (Its sampling law is the law of the engine
+    program's bfloat16 logits, which XLA's excess precision makes program-dependent: see
+    ARCHITECTURE.md, "bfloat16 targets".)"""
+    t16 = target.with_config(dtype="bfloat16", param_dtype="bfloat16")
+    assert t16.params["embed"][...].dtype == jnp.bfloat16
+    prompts = [[1, 5, 2], [4, 4, 7, 1], [3, 6]]
+    spec = engine.SpeculativeEngine(t16, DraftModelProposer(draft, 3), "token")
+    got = spec.generate(prompts, seed=0, max_new_tokens=24, sampling_params=sampling.SamplingConfig(temperature=0.0))
+    want = engine.AutoregressiveEngine(t16).generate(prompts, seed=0, max_new_tokens=24, greedy=True)
+    assert got.tokens == want.tokens
+    assert all(0.0 <= s.mean_alpha <= 1.0 for s in got.stats)
+
+
 def _numpy_init(cfg, seed):
     """LlamaLM with numpy-drawn weights (LlamaLM.init's jax.random draws compile per shape)."""
     from specjax.models.llama import expected_shapes
