@@ -2,7 +2,7 @@
 BENCHMARKS.md needs, stage by stage, inside a time budget (a benchmark driver, not a test).
 
     python scripts/accel_slot.py --out "$OUT" --stages roofline,smollm --budget 420   # device call 1
-    python scripts/accel_slot.py --out "$OUT" --stages spec,peer --budget 480         # device call 2
+    python scripts/accel_slot.py --out "$OUT" --stages profile,spec,peer --budget 300 # device call 2
     python scripts/accel_slot.py --smoke --out out/slot_smoke  # the same stages, toy sizes, CPU
 
 Stages (``--stages``, in this order; each is a subprocess with its own time limit, cut to
@@ -16,6 +16,8 @@ slot that ends early still returns what was measured):
   copied out of the stacked parameters each step shows one layer's weights there);
 * ``smollm``: the same for SmolLM2-135M-Instruct (the GGUF) in float32, both layer modes,
   T = 1, 2, 4;
+* ``profile``: ``scripts/profile_round.py`` (K=3, T=0, batch 1) under ``jax.profiler``: the
+  trace of speculative rounds and autoregressive steps comes back under ``profile/``;
 * ``spec``: ``scripts/bench_schedule.py`` (autoregressive, K=3 and k=auto at batch 1 / 16 /
   64, T 0 and 1, float32) and ``scripts/benchmark.py --config gpu --param-dtype bfloat16``
   (bf16 target, cost ratios);
@@ -55,6 +57,8 @@ def stages(smoke: bool) -> dict:
         spec = [("schedule", [PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0",
                               "--ks", "2", "--max-new", "8", "--repeats", "1", "--out", "{out}/schedule"], 600)]
         peer = [("hf", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "8", "--smoke"], 300)]
+        prof = [("round", [PY, "scripts/profile_round.py", "--model", "tiny", "--draft", "layers:1", "--k", "2",
+                           "--prompts", "1", "--tokens", "8", "--no-hlo", "--out", "{out}/profile"], 300)]
     else:
         dsf = ["--xla-opt", "xla_gpu_enable_dynamic_slice_fusion=true"]
         common = ["--ts", "1,4", "--decode", "64", "--max-len", "512", "--cache-len", "64"]
@@ -75,13 +79,17 @@ def stages(smoke: bool) -> dict:
                 ("schedule-f32-b16-64", sched + ["--batches", "16,64", "--out", "{out}/schedule_b16_64"], 200),
                 ("benchmark-bf16", [PY, "scripts/benchmark.py", "--config", "gpu", "--param-dtype", "bfloat16",
                                     "--no-markdown", "--no-plots", "--out", "{out}/bench_bf16"], 180)]
+        # a jax.profiler trace of speculative rounds and autoregressive steps (the files come
+        # back under profile/: where the round's time outside the models goes on this device)
+        prof = [("round-k3-t0", [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "0", "--prompts", "2",
+                                 "--tokens", "32", "--no-hlo", "--out", "{out}/profile"], 120)]
         peer = [(f"hf-{m}", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "128", "--models", m,
                              "--compile-limit", "90"], 150) for m in ("smollm2", "llama3-8b-shape")]
-    return {"roofline": big, "smollm": small, "spec": spec, "peer": peer}
+    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "peer": peer}
 
 
 # lines worth keeping in the summary: step and loop times, bandwidth, speedups, peers
-FIGURE = re.compile(r"(GB/s|tok/s|ms/step|temporaries|speedup|x autoregressive|\| \d|^T=|engine:|hf_gpu_peer)")
+FIGURE = re.compile(r"(GB/s|tok/s|ms/step|temporaries|speedup|x autoregressive|\| \d|^T=|engine:|hf_gpu_peer|per round|per step|^== )")
 
 
 def run_stage(name: str, cmds: list, out: Path, deadline: float) -> list:
@@ -119,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/slot")
     ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds for the stages of this call together (a device call may run 600 s at most)")
-    ap.add_argument("--stages", default="roofline,smollm,spec,peer")
+    ap.add_argument("--stages", default="roofline,smollm,profile,spec,peer")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself on a CPU")
     a = ap.parse_args(argv)
     plan = stages(a.smoke)
