@@ -1539,7 +1539,6 @@ class SpeculativeEngine(_Sharded):
         self._stream_executables(args, static) if stream else self._executable(args, static)
 
 
-
 # --------------------------------------------------------------------------------------
 # the autoregressive baseline
 
