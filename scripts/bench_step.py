@@ -73,10 +73,11 @@ def main(argv=None):
     over = dict(attn_chunk=args.attn_chunk) if args.attn_chunk is not None else {}
     over["cpu_kernels"] = args.cpu_kernels
     if args.random:
+        from specjax.build import init_model
         from specjax.models.config import load_model_config
 
         dts = {k: v for k, v in dict(dtype=args.dtype, param_dtype=args.param_dtype or args.dtype).items() if v}
-        lm = random_model(load_model_config(args.model, scan_layers=scan, **dts, **over), seed=0)
+        lm = init_model(load_model_config(args.model, scan_layers=scan, **dts, **over), seed=0)
     else:
         from specjax.build import load_target
 
@@ -239,21 +240,6 @@ class Roofline:
     def describe(self, seconds: float, T: int) -> str:
         g = self.gbs(seconds, T)
         return f"{g:7.1f} GB/s" + (f" = {100 * g * 1e9 / self.peak:4.1f}% of peak" if self.peak else "")
-
-
-def random_model(cfg, seed: int = 0):
-    """A ``LlamaLM`` with ``LlamaLM.init``'s random weights, made by one jitted function on
-    the default device (no host copy: an 8B model in bf16 is made on the accelerator)."""
-    from flax import nnx
-
-    from specjax.models.llama import Llama, LlamaLM, random_weights
-
-    def init():
-        return nnx.split(Llama(cfg, random_weights(cfg, seed)))
-
-    graphdef, _ = jax.eval_shape(init)
-    params = jax.jit(lambda: init()[1])()
-    return LlamaLM(cfg, graphdef, params)
 
 
 def engine_step_ms(lm, B: int, prompt_len: int, n: int, rng) -> float:

@@ -401,17 +401,20 @@ def abstract_model(cfg):
     return nnx.split(module)
 
 
-def init_model(cfg, seed: int, plan: MeshPlan, role: str = "target"):
-    """Random weights (``LlamaLM.init``'s law) created directly in their shardings: one
-    ``jax.jit`` with ``out_shardings``, no full copy on any device."""
+def init_model(cfg, seed: int, plan: Optional[MeshPlan] = None, role: str = "target"):
+    """Random weights (``LlamaLM.init``'s law) created directly on the devices by one
+    ``jax.jit``: in their shardings under ``plan`` (``out_shardings``, no full copy on any
+    device), else on the default device (no host copy)."""
     from specjax.models.llama import Llama, LlamaLM, random_weights
 
     graphdef, abstract = abstract_model(cfg)
-    shardings = param_shardings(abstract, plan, role)
 
     def init():
         return nnx.split(Llama(cfg, random_weights(cfg, seed)))[1]
 
+    if plan is None:
+        return LlamaLM(cfg, graphdef, jax.jit(init)())
+    shardings = param_shardings(abstract, plan, role)
     with plan.context(role):
         params = jax.jit(init, out_shardings=shardings)()
     return LlamaLM(cfg, graphdef, params)

@@ -134,8 +134,10 @@ def test_bench_step_roofline_on_a_random_preset(capsys):
     assert len(steps) == 3 and all("GB/s = " in ln and "% of peak" in ln for ln in steps), steps
     assert "decode loop temporaries:" in out and "one layer's weights:" in out
     assert "engine:" in out
-    r = bench_step.Roofline(bench_step.random_model(
-        __import__("specjax.models.config", fromlist=["x"]).load_model_config("tiny")), 2, 10, None)
+    from specjax.build import init_model
+    from specjax.models.config import load_model_config
+
+    r = bench_step.Roofline(init_model(load_model_config("tiny"), seed=0), 2, 10, None)
     assert r.kv_bytes(1) > 0 and r.bytes(1) == r.weight_bytes + r.kv_bytes(1) and bench_step.device_peak("cpu") is None
     assert bench_step.device_peak("NVIDIA H200") == 4.8e12 and bench_step.device_peak("TPU v5 lite") == 0.819e12
 
