@@ -749,23 +749,22 @@ class Block(nnx.Module):
             setattr(self, k, _param(jnp.asarray(w[k], pd), (("layers",) if stacked else ()) + names))
 
     def _p(self, name, layer):
-        """A small parameter of this layer (norms, biases): sliced out of the stack if stacked."""
+        """This layer's parameter ``name``: sliced out of the stack if stacked."""
         v = getattr(self, name)[...]
         return jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) if self.stacked else v
 
     def _mm(self, x, name, layer):
         """x @ this layer's weight ``name``: a stacked weight is read in place by the CPU kernel
-        (no per-layer copy out of the stack), else sliced for XLA's dot."""
-        w = getattr(self, name)[...]
+        where it applies (no per-layer copy out of the stack), else the layer's slice goes to
+        :func:`_linear`."""
         dt = self.cfg.compute_dtype
-        if not self.stacked:
-            return _linear(x, w.astype(dt), self.cfg.cpu_kernels)
-        B, T, D = x.shape
-        w3 = w.reshape(w.shape[0], D, -1)
-        x2 = x.reshape(B * T, D)
-        if w3.dtype == dt and use_small_matmul_stacked(self.cfg.cpu_kernels, x2, w3):
-            return small_matmul_stacked(x2, w3, layer).reshape(B, T, -1)
-        return _linear(x, jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(dt), self.cfg.cpu_kernels)
+        if self.stacked:
+            w = getattr(self, name)[...]
+            B, T, D = x.shape
+            w3, x2 = w.reshape(w.shape[0], D, -1), x.reshape(B * T, D)
+            if w3.dtype == dt and use_small_matmul_stacked(self.cfg.cpu_kernels, x2, w3):
+                return small_matmul_stacked(x2, w3, layer).reshape(B, T, -1)
+        return _linear(x, self._p(name, layer).astype(dt), self.cfg.cpu_kernels)
 
     def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None, tree=None):
         """``layer``: this layer's index (into the cache, and into the parameters when
