@@ -1,7 +1,9 @@
 """Shared test setup. Tests that need several devices spawn a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (it must be set before jax is imported)."""
 import importlib.util
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,6 +11,23 @@ import pytest
 # k="auto" saves measured round costs (specjax.engine.cost_file): the suite keeps its own,
 # fresh each run, so that no result depends on what another run measured on this machine
 os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-test-cache-")
+
+# One JAX compilation cache for the whole run, fresh each run: created by the first process
+# that loads this file (pytest's controller, before it starts the xdist workers) and
+# inherited by the workers and by every subprocess a test starts (the CLI, the README's
+# examples, the multi-device runs), so a program that several of them compile (the real
+# model's, above all) is compiled once. It caches compiled executables by their HLO, so no
+# test sees anything but what a compile would give; set JAX_COMPILATION_CACHE_DIR to choose
+# the directory (it is then kept).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _jax_cache = tempfile.mkdtemp(prefix="specjax-test-jaxcache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    _owner = os.getpid()
+
+    @atexit.register
+    def _remove_jax_cache():
+        if os.getpid() == _owner:
+            shutil.rmtree(_jax_cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
