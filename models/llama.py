@@ -73,19 +73,32 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 ROPE_SCALING_TYPES = ("llama3", "linear")
-SCANNED_BACKENDS = ("tpu",)  # where scan_layers="auto" scans
+SCANNED_BACKENDS = ("tpu",)  # where scan_layers="auto" scans whatever the dtypes (CPU: see below)
 
 
-def default_scan_layers(backend: Optional[str] = None) -> bool:
+def default_scan_layers(backend: Optional[str] = None, *, dtype: str = "float32",
+                        param_dtype: Optional[str] = None, cpu_kernels: str = "auto") -> bool:
     """The layer mode ``scan_layers="auto"`` picks for ``backend`` (default: JAX's default
-    backend): scanned on TPU, unrolled elsewhere. Measured (BENCHMARKS.md): on an NVIDIA H200
-    unrolled decodes faster (random llama3-8b-shape in bf16: 4.8 vs 11.9 ms per token), where
-    XLA copies a scanned layer's weights out of the stacked parameters on every step; on CPU
-    the float32 kernels read the stack in place (scanned = unrolled speed, 27.1 vs 27.7 ms
-    for SmolLM2-135M), but XLA's ops (bf16, ``cpu_kernels="xla"``) copy as on the GPU
-    (47.5 ms before the stacked kernel). On TPU the scan is kept for compile time on large
-    models and pods (its decode speed there is not measured here)."""
-    return (backend or jax.default_backend()) in SCANNED_BACKENDS
+    backend) and the model's dtypes: scanned on TPU, and on one CPU device when the float32
+    kernels read the stacked weights in place (float32 compute, float32 or float16 weights,
+    ``cpu_kernels`` not ``"xla"``, the kernels built); unrolled elsewhere. Measured
+    (BENCHMARKS.md): on an NVIDIA H200 unrolled decodes faster (random llama3-8b-shape in bf16:
+    4.8 vs 11.9 ms per token), where XLA copies a scanned layer's weights out of the stacked
+    parameters on every step, and so do XLA's CPU ops (bf16, ``cpu_kernels="xla"``: 47.5 vs
+    27.7 ms for SmolLM2-135M). With the CPU kernels a scanned SmolLM2-135M decodes as fast as
+    an unrolled one (27.1 vs 27.7 ms per step) and compiles in half the time. On TPU the scan
+    is kept for compile time on large models and pods (its decode speed there is not
+    measured here)."""
+    backend = backend or jax.default_backend()
+    if backend in SCANNED_BACKENDS:
+        return True
+    if backend != "cpu" or cpu_kernels == "xla" or dtype != "float32":
+        return False
+    if (param_dtype or dtype) not in ("float32", "float16") or jax.device_count() != 1:
+        return False
+    from specjax.models import cpu_kernels as ck
+
+    return ck.available()[0] and ((param_dtype or dtype) == "float32" or ck._has_f16c())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +179,8 @@ class LlamaConfig:
             if getattr(self, f) not in _DTYPES:
                 raise ValueError(f"LlamaConfig.{f}={getattr(self, f)!r}; expected one of {sorted(_DTYPES)}")
         if self.scan_layers == "auto":
-            object.__setattr__(self, "scan_layers", default_scan_layers())
+            object.__setattr__(self, "scan_layers", default_scan_layers(
+                dtype=self.dtype, param_dtype=self.param_dtype, cpu_kernels=self.cpu_kernels))
         elif not isinstance(self.scan_layers, (bool, np.bool_)):
             raise ValueError(f"LlamaConfig.scan_layers must be true, false or 'auto', got {self.scan_layers!r}")
         object.__setattr__(self, "scan_layers", bool(self.scan_layers))

@@ -67,7 +67,8 @@ def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Opti
     if scan_layers == "auto":
         from specjax.models.llama import default_scan_layers
 
-        scan_layers = default_scan_layers()
+        scan_layers = default_scan_layers(dtype=dtype or param_dtype, param_dtype=param_dtype,
+                                          cpu_kernels=overrides.get("cpu_kernels", "auto"))
     dt = dict(param_dtype=param_dtype, dtype=dtype or param_dtype, scan_layers=bool(scan_layers),
               **overrides)
     if spec == "tiny":

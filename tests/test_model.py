@@ -245,10 +245,19 @@ def test_config_validation_and_rope_scaling():
     assert isinstance(cfg, LlamaConfig)
 
 
-def test_layer_mode_auto_follows_the_backend():
-    # unrolled where it was measured faster (CPU, an H200), scanned on TPU
-    assert [default_scan_layers(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [False, False, False, True]
-    assert tiny_config(scan_layers="auto").scan_layers is (jax.default_backend() == "tpu")
+def test_layer_mode_auto_follows_the_backend_and_the_dtypes():
+    # unrolled where it was measured faster (an H200; CPU with XLA's ops), scanned on TPU and
+    # on CPU where the float32 kernels read the stacked weights in place
+    from specjax.models import cpu_kernels as ck
+
+    kernels = ck.available()[0] and jax.device_count() == 1
+    assert [default_scan_layers(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [kernels, False, False, True]
+    assert not default_scan_layers("cpu", dtype="bfloat16", param_dtype="bfloat16")
+    assert not default_scan_layers("cpu", cpu_kernels="xla")
+    assert not default_scan_layers("gpu", dtype="bfloat16") and default_scan_layers("tpu", dtype="bfloat16")
+    on_cpu = jax.default_backend() == "cpu"
+    assert tiny_config(scan_layers="auto").scan_layers is (jax.default_backend() == "tpu" or (on_cpu and kernels))
+    assert tiny_config(scan_layers="auto", cpu_kernels="xla").scan_layers is (jax.default_backend() == "tpu")
     assert tiny_config(scan_layers=True).scan_layers is True
     with pytest.raises(ValueError, match="scan_layers must be true, false or 'auto'"):
         tiny_config(scan_layers="yes")
@@ -256,8 +265,11 @@ def test_layer_mode_auto_follows_the_backend():
     from specjax.models.config import load_model_config
 
     for preset in ("llama3-8b-shape", "llama3-1b-shape", "smollm2-135m"):  # the presets say auto
-        assert load_model_config(preset).scan_layers is default_scan_layers()
+        cfg = load_model_config(preset)
+        assert cfg.scan_layers is default_scan_layers(dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                                      cpu_kernels=cfg.cpu_kernels)
     assert load_target("tiny")[0].config.scan_layers is default_scan_layers()
+    assert load_target("tiny", param_dtype="bfloat16")[0].config.scan_layers is default_scan_layers(dtype="bfloat16")
 
 
 @pytest.mark.parametrize("chunk", [4, 8])
