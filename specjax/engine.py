@@ -1069,13 +1069,38 @@ class SpeculativeEngine(_Sharded):
             rows_k = jnp.clip(self.choose_k(c, costs, inputs), 0, self.k)
             return rows_k, jnp.max(jnp.where(c.state.done, 0, rows_k))
 
+        # a proposer that defers plain rounds' work (plain_backlog, e.g. the EAGLE head)
+        # catches up when a drafting branch starts, and when the plain branch starts with a
+        # full backlog; the plain branch's loop stops before a row's backlog is full. These
+        # conditionals run once per switch, not per round.
+        room = getattr(self.proposer, "plain_backlog", 0)
+
+        def settle(c, drafting: bool):
+            if not room:
+                return c
+            n = self.proposer.backlog(c.proposer_state)
+            need = jnp.any(n > 0) if drafting else jnp.any(n >= room)
+
+            def run(ps):
+                with self._role("draft"):
+                    return self._c_cache(self.proposer.catch_up(draft_params, ps, c.state.seq,
+                                                                c.state.seq_len), "draft")
+
+            return c.replace(proposer_state=jax.lax.cond(need, run, lambda ps: ps, c.proposer_state))
+
+        def has_room(c):
+            return jnp.all(self.proposer.backlog(c.proposer_state) < room) if room else True
+
         def branch(j):
             def step(c):
                 if j == 0:
                     return self._plain_round(c, *inputs)
                 return self._round(c, *inputs, proposer=self._proposers[j], rows_k=choice(c)[0])
 
-            return lambda c: jax.lax.while_loop(lambda x: more(x) & (choice(x)[1] == j), step, c)
+            def go_on(x):
+                return more(x) & (choice(x)[1] == j) & (has_room(x) if j == 0 else True)
+
+            return lambda c: jax.lax.while_loop(go_on, step, settle(c, drafting=j > 0))
 
         branches = [branch(j) for j in range(self.k + 1)]
         return jax.lax.while_loop(more, lambda c: jax.lax.switch(choice(c)[1], branches, c), carry)

@@ -145,13 +145,17 @@ class _Phases(engine.SpeculativeEngine):
         return jnp.where(g < 6, 2, jnp.where(g < 10, 0, jnp.where(g < 13, 1, 0))).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle_backlog3", "eagle_no_backlog", "draft_model"])
 def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     """Plain rounds (j = 0) skip ``propose``: the proposer must still end up where a fresh
     ``init`` over the committed sequence puts it (EAGLE head: its predicted feature and KV
     over the (feature, token) pairs; draft model: its KV cache over s[:c-2]). ``eagle3``: a
     head on several layers' hidden states, which the engine asks the target for in the
-    prefill, the verify pass and the plain step alike."""
+    prefill, the verify pass and the plain step alike. The EAGLE head defers its plain
+    rounds' steps (``plain_backlog``, 32: caught up in one forward before the next drafting
+    round; ``eagle_backlog3``: 3, so the 4 and 7 plain rounds in a row here overflow it and
+    the engine catches up in between; ``eagle_no_backlog``: one step per plain round); the
+    state the run ends with still has a backlog, which ``catch_up`` feeds."""
     from specjax.drafts import EagleProposer
     from specjax.models.eagle import EagleConfig, EagleModel
 
@@ -159,7 +163,8 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     if kind.startswith("eagle"):
         cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32,
                                      feature_layers=(1, 2, 0) if kind == "eagle3" else ())
-        prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K)
+        backlog = {"eagle_backlog3": 3, "eagle_no_backlog": 0}.get(kind, 32)
+        prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K, plain_backlog=backlog)
     else:
         prop = DraftModelProposer(LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6), K)
     eng = _Phases(tgt, prop, "token", adaptive=True, costs={1: [1, 1, 1]})
@@ -171,6 +176,10 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     cache_len = eng.target.init_cache(1, 64).max_len
     st = out.raw["proposer_state"]
     if kind.startswith("eagle"):
+        assert ("n" in st) == (backlog > 0)
+        if backlog:
+            assert 0 < int(st["n"][0]) <= backlog  # the last plain rounds wait
+            st = prop.catch_up(prop.params, st, jnp.asarray(seq), jnp.array([c]))
         hidden = tgt.apply(tgt.params, jnp.asarray(seq), tgt.init_cache(1, cache_len),
                            return_hidden=prop.hidden_layers or True).hidden
         fresh = prop.init(prop.params, jnp.asarray(seq), jnp.array([c]), cache_len, hidden)

@@ -19,6 +19,12 @@ functions, called inside the engine's jitted ``lax.while_loop``:
   proposer whose state must advance with every committed token (a draft model's cache)
   catches up here. Without it the engine calls ``commit``. Adaptive K also needs the
   proposer to be a dataclass with a field ``k`` (it compiles one copy per j).
+* optional deferred plain commits: a proposer with ``plain_backlog = P > 0`` may only
+  record a plain round in ``commit_plain`` (the EAGLE head keeps the target's hidden
+  state) and run the work later, all at once, in ``catch_up(params, state, seq, seq_len)
+  -> state``; ``backlog(state) -> int32[B]`` counts the rounds waiting. The engine calls
+  ``catch_up`` before the first drafting round after plain rounds and before a row's
+  backlog would exceed P (it leaves the plain rounds' loop for that), never inside a round.
 
 A proposal carries ``tokens int32[B, K]``, the *processed* draft log-probs
 ``logprobs float32[B, K, V]`` that the tokens were actually drawn from, and

@@ -54,6 +54,10 @@ class EagleProposer(ModelBackedProposer):
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
     always_drafts: bool = True  # num_draft is K for every row
+    # adaptive K: the head steps of up to this many plain rounds (j = 0) in a row wait in the
+    # state (the target's hidden states) and run as one forward before the next drafting
+    # round (``catch_up``); 0: one head step per plain round. Speed only.
+    plain_backlog: int = 32
 
     @property
     def hidden_layers(self):
@@ -68,7 +72,11 @@ class EagleProposer(ModelBackedProposer):
         nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)
         cache = self.model.init_cache(b, cache_len)
         h, cache = self.model.apply(params, self.model.fuse(params, target_hidden), nxt, cache)
-        return dict(cache=cache.with_lengths(prompt_lens - 1), h=_take_rows(h, prompt_lens - 2))
+        state = dict(cache=cache.with_lengths(prompt_lens - 1), h=_take_rows(h, prompt_lens - 2))
+        if self.plain_backlog:  # the plain rounds' target hidden states, not yet fed (n of them)
+            state.update(backlog=jnp.zeros((b, self.plain_backlog) + target_hidden.shape[2:], target_hidden.dtype),
+                         n=jnp.zeros((b,), jnp.int32))
+        return state
 
     def propose(self, params, state, ctx: ProposeContext) -> Proposal:
         m = self.model.module(params)
@@ -98,8 +106,7 @@ class EagleProposer(ModelBackedProposer):
         (cache, _, _), tokens, logprobs = draft_chain(
             self.k, step, lambda c, i: draw(c[1], c[2], i), (cache, state["h"], ctx.counts))
         b = tokens.shape[0]
-        return Proposal(tokens, logprobs, jnp.full((b,), self.k, jnp.int32),
-                        dict(cache=cache, h=state["h"]))
+        return Proposal(tokens, logprobs, jnp.full((b,), self.k, jnp.int32), dict(state, cache=cache))
 
     def commit(self, params, state, ctx: CommitContext):
         num_new = ctx.num_new
@@ -111,5 +118,30 @@ class EagleProposer(ModelBackedProposer):
                                     state["cache"].with_lengths(base))
         ok = num_new > 0
         h_last = _take_rows(h, jnp.maximum(num_new - 1, 0))
-        return dict(cache=cache.with_lengths(base + num_new),
+        return dict(state, cache=cache.with_lengths(base + num_new),
                     h=jnp.where(ok[:, None], h_last, state["h"]))
+
+    def commit_plain(self, params, state, ctx: CommitContext):
+        """After a plain round: keep the target's hidden state of the step in the backlog
+        (the engine calls :meth:`catch_up` before the backlog overflows and before the next
+        drafting round); without a backlog, one head step now."""
+        if not self.plain_backlog:
+            return self.commit(params, state, ctx)
+        n = state["n"]
+        rows = jnp.arange(n.shape[0])
+        at = jnp.minimum(n, self.plain_backlog - 1)  # the engine keeps n < plain_backlog here
+        return dict(state, backlog=state["backlog"].at[rows, at].set(ctx.target_hidden[:, 0]),
+                    n=n + ctx.num_new)
+
+    def backlog(self, state) -> jax.Array:
+        """int32[B]: plain rounds whose head step has not run yet."""
+        return state["n"]
+
+    def catch_up(self, params, state, seq, seq_len):
+        """Feed the backlog's pairs (the target's hidden state after s[c-1-n+j], with the
+        token s[c-n+j], j < n, c = ``seq_len``) in one forward of the head: the state is then
+        what one head step per plain round would have left (up to rounding)."""
+        n = state["n"]
+        out = self.commit(params, state, CommitContext(seq=seq, seq_len=seq_len,
+                                                       target_hidden=state["backlog"], num_new=n))
+        return dict(out, n=jnp.zeros_like(n))

@@ -380,7 +380,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     def _chain(self):
         from specjax.drafts.eagle import EagleProposer
 
-        return EagleProposer(self.model, self.depth)
+        return EagleProposer(self.model, self.depth, plain_backlog=0)  # trees: no adaptive K
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         return self._chain().init(params, prompt_tokens, prompt_lens, cache_len, target_hidden)
