@@ -80,8 +80,8 @@ def default_scan_layers(backend: Optional[str] = None, *, dtype: str = "float32"
                         param_dtype: Optional[str] = None, cpu_kernels: str = "auto") -> bool:
     """The layer mode ``scan_layers="auto"`` picks for ``backend`` (default: JAX's default
     backend) and the model's dtypes: scanned on TPU, and on one CPU device when the float32
-    kernels read the stacked weights in place (float32 compute, float32 or float16 weights,
-    ``cpu_kernels`` not ``"xla"``, the kernels built); unrolled elsewhere. Measured
+    kernels read the stacked weights in place (float32 weights and compute, ``cpu_kernels``
+    not ``"xla"``, the kernels built: the test ``Block._mm`` makes); unrolled elsewhere. Measured
     (BENCHMARKS.md): on an NVIDIA H200 unrolled decodes faster (random llama3-8b-shape in bf16:
     4.8 vs 11.9 ms per token), where XLA copies a scanned layer's weights out of the stacked
     parameters on every step, and so do XLA's CPU ops (bf16, ``cpu_kernels="xla"``: 47.5 vs
@@ -92,13 +92,18 @@ def default_scan_layers(backend: Optional[str] = None, *, dtype: str = "float32"
     backend = backend or jax.default_backend()
     if backend in SCANNED_BACKENDS:
         return True
-    if backend != "cpu" or cpu_kernels == "xla" or dtype != "float32":
+    if backend != "cpu":
         return False
-    if (param_dtype or dtype) not in ("float32", "float16") or jax.device_count() != 1:
-        return False
-    from specjax.models import cpu_kernels as ck
+    # the test Block._mm makes, on a shape the kernel takes (N a multiple of 64)
+    x = jax.ShapeDtypeStruct((1, 64), _DTYPES[dtype])
+    w = jax.ShapeDtypeStruct((2, 64, 64), _DTYPES[param_dtype or dtype])
+    return _stack_read_in_place(cpu_kernels, x, w, _DTYPES[dtype])
 
-    return ck.available()[0] and ((param_dtype or dtype) == "float32" or ck._has_f16c())
+
+def _stack_read_in_place(mode: str, x2, w3, compute_dtype) -> bool:
+    """Whether ``x2[M, K] @ w3[layer]`` of a scanned layer goes to the stacked CPU kernel
+    (reading the layer where it lies) rather than to a copy of the layer's slice."""
+    return w3.dtype == compute_dtype and use_small_matmul_stacked(mode, x2, w3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -776,7 +781,7 @@ class Block(nnx.Module):
             w = getattr(self, name)[...]
             B, T, D = x.shape
             w3, x2 = w.reshape(w.shape[0], D, -1), x.reshape(B * T, D)
-            if w3.dtype == dt and use_small_matmul_stacked(self.cfg.cpu_kernels, x2, w3):
+            if _stack_read_in_place(self.cfg.cpu_kernels, x2, w3, dt):
                 return small_matmul_stacked(x2, w3, layer).reshape(B, T, -1)
         return _linear(x, self._p(name, layer).astype(dt), self.cfg.cpu_kernels)
 

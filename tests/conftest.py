@@ -1,7 +1,7 @@
 """Shared test setup. Tests that need several devices spawn a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (it must be set before jax is imported)."""
-import importlib.util
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile

@@ -254,6 +254,8 @@ def test_layer_mode_auto_follows_the_backend_and_the_dtypes():
     assert [default_scan_layers(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [kernels, False, False, True]
     assert not default_scan_layers("cpu", dtype="bfloat16", param_dtype="bfloat16")
     assert not default_scan_layers("cpu", cpu_kernels="xla")
+    # float16 weights with float32 compute: Block._mm slices them for XLA (no stacked kernel)
+    assert not default_scan_layers("cpu", dtype="float32", param_dtype="float16")
     assert not default_scan_layers("gpu", dtype="bfloat16") and default_scan_layers("tpu", dtype="bfloat16")
     on_cpu = jax.default_backend() == "cpu"
     assert tiny_config(scan_layers="auto").scan_layers is (jax.default_backend() == "tpu" or (on_cpu and kernels))
