@@ -632,8 +632,8 @@ class _Sharded:
     def _tail_sizes(self, b: int, compact=True) -> list:
         """The smaller batch sizes a dataset run's tail may move to (:meth:`_dataset`),
         largest first: ``compact=True`` b // 2, b // 4, ..., 1; a sequence: those sizes
-        below b; False: none. For an adaptive engine only sizes with a cost table (set or
-        saved), so that the tail never stops to measure one."""
+        below b; False: none. An adaptive engine without a cost table at a size borrows
+        one (:meth:`_opts_at`)."""
         if compact is True:
             sizes, s = [], b // 2
             while s >= 1:
@@ -649,8 +649,21 @@ class _Sharded:
             if not ok:
                 raise ValueError(f"compact must be True, False or a list of batch sizes >= 1, got {compact!r}")
             sizes = [int(m) for m in compact]
-        sizes = sorted({m for m in sizes if m < b}, reverse=True)
-        return [m for m in sizes if not getattr(self, "adaptive", False) or self.has_costs(m)]
+        return sorted({m for m in sizes if m < b}, reverse=True)
+
+    def _opts_at(self, static_opts: dict, m: int, b: int) -> dict:
+        """``_call_args`` options for a dataset run's loop at ``m`` of its ``b`` slots. An
+        adaptive engine with no cost table at ``m`` borrows that of the nearest larger size
+        up to ``b`` that has one (``b`` has one: the run measured it before it started), so
+        that the tail never stops to measure a table. The ratios are what the rule reads,
+        and drafting costs relatively more at larger batches: a borrowed table errs toward
+        plain rounds, never toward drafting more than pays."""
+        if not getattr(self, "adaptive", False) or self.has_costs(m):
+            return static_opts
+        for s in range(m + 1, b + 1):
+            if self.has_costs(s):
+                return dict(static_opts, costs=self.costs_for(s))
+        return static_opts
 
     def _tail_executables(self, full: Batch, big, m: int, static_opts: dict):
         """For a dataset run's tail at ``m`` slots: the compiled ``_advance`` and ``_finish``
@@ -665,6 +678,8 @@ class _Sharded:
                m, tuple(sorted(static.items())))
         got = self._compiled.get(sig)
         if got is None:
+            if getattr(self, "adaptive", False):  # compiling reads no costs (no measuring)
+                static_opts = dict(static_opts, costs=np.ones(self.k + 1))
             args, static = self._call_args(_batch_rows(full, range(m)), **static_opts)
             small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
             small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small)
@@ -772,7 +787,8 @@ class _Sharded:
                         slots = [slots[s] for s in idx]
                     live = [x if x is not None else 0 for x in slots]
                     # idle slots keep a finished row (done): its inputs are never used
-                    args_now, _ = self._call_args(_batch_rows(full, live), **static_opts)
+                    args_now, _ = self._call_args(_batch_rows(full, live),
+                                                  **self._opts_at(static_opts, len(slots), b))
                     rest = self._advance_inputs(args_now)
             host = _host(finish(carry))
         stages.append((len(slots), int(host["iterations"]) - stage_start))
@@ -897,6 +913,16 @@ def _batch_rows(batch: Batch, idx) -> Batch:
         batch, prompts=batch.prompts[idx], prompt_lens=batch.prompt_lens[idx],
         row_keys=batch.row_keys[jnp.asarray(idx)], params=jax.tree.map(take, batch.params),
         controls=rowwise.replace(stop_mask=batch.controls.stop_mask), max_new=batch.max_new[idx])
+
+
+def _run_branch(index, branches, operand):
+    """``branches[index](operand)`` as a chain of two-way conds, not a ``lax.switch``: XLA
+    copies every operand of a switch whose branches loop (adaptive K's inner loops: both
+    caches, twice per switch, into cache-sized temporaries allocated on every call), while
+    the chain updates them in place (tests/test_inplace.py). Only branch ``index`` runs."""
+    for i, fn in enumerate(branches):
+        operand = jax.lax.cond(index == i, fn, lambda x: x, operand)
+    return operand
 
 
 def _with_k(proposer, j: int):
@@ -1103,7 +1129,8 @@ class SpeculativeEngine(_Sharded):
             return lambda c: jax.lax.while_loop(go_on, step, settle(c, drafting=j > 0))
 
         branches = [branch(j) for j in range(self.k + 1)]
-        return jax.lax.while_loop(more, lambda c: jax.lax.switch(choice(c)[1], branches, c), carry)
+
+        return jax.lax.while_loop(more, lambda c: _run_branch(choice(c)[1], branches, c), carry)
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
                          max_new, stop_ids, use_penalties, costs, until, pause) -> SpecCarry:
@@ -1530,7 +1557,8 @@ class SpeculativeEngine(_Sharded):
         for this engine, ``k_rounds``. ``compact``: when no prompt is left, the running
         rows move to fewer slots: True b/2, b/4, ..., 1; or a list of sizes (e.g. ``[12, 8,
         6, 4, 3, 2, 1]``: fewer idle slots, more programs); False: never. With k="auto"
-        only sizes with a cost table. Each size is compiled once per engine; the rows'
+        a size with no cost table borrows the table of the nearest larger size that has
+        one (it never stops to measure). Each size is compiled once per engine; the rows'
         tokens do not change."""
         full = self.prepare(prompts, **kwargs)
         return self._dataset(full, batch_size, {}, True, raise_on_error, on_row, compact)
