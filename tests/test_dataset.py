@@ -75,13 +75,19 @@ def test_batch_of_one_and_larger_than_the_dataset(models):
         eng.generate_dataset(prompts, batch_size=0, **kw)
 
 
-def test_adaptive_tail_moves_only_to_sizes_with_a_cost_table(models):
+def test_adaptive_tail_borrows_the_next_larger_cost_table(models):
+    """The tail moves to every size; a size with no table borrows the nearest larger one's
+    (never the smaller sizes', which would draft more than pays), and never measures."""
     target, draft = models
     eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), "token", adaptive=True)
-    assert eng._tail_sizes(16) == [s for s in (8, 4, 2, 1) if eng.has_costs(s)]
-    for s in (4, 1):
-        eng.set_costs(s, [1.0, 1.5, 2.0])
-    assert {4, 1} <= set(eng._tail_sizes(16)) and 32 not in eng._tail_sizes(16)
+    assert eng._tail_sizes(16) == [8, 4, 2, 1]
+    big, mid = [1.0, 3.0, 5.0], [1.0, 1.5, 2.0]
+    eng.set_costs(16, big)
+    eng.set_costs(4, mid)
+    eng.calibrate = None  # measuring would fail
+    costs = lambda m: eng._opts_at({}, m, 16).get("costs")  # noqa: E731
+    assert costs(16) is None and costs(4) is None  # their own tables
+    assert list(costs(8)) == big and list(costs(2)) == mid and list(costs(1)) == mid
     ar = engine.AutoregressiveEngine(target)
     assert ar._tail_sizes(12) == [6, 3, 1] and ar._tail_sizes(12, False) == []
     assert ar._tail_sizes(16, [1, 12, 6, 16, 20, 6]) == [12, 6, 1]
