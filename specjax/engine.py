@@ -429,8 +429,9 @@ AUTO_PRIOR_WEIGHT = 2.0  # ... worth this many observations (later positions: th
 AUTO_DECAY = 0.95  # evidence from older rounds fades (the text changes)
 AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence)
 # part of every cost table's key: bumped when the rounds' code or the way they are measured
-# changes, so that tables measured before are not used (2: interleaved calibration passes)
-COST_MODEL_VERSION = 2
+# changes, so that tables measured before are not used (2: interleaved calibration passes;
+# 3: the branches of j no longer copy the caches)
+COST_MODEL_VERSION = 3
 
 
 def choose_k(auto: AutoState, costs) -> jax.Array:
