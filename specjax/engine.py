@@ -396,42 +396,71 @@ class RoundStats:
 class AutoState:
     """What the adaptive speculation length (``k="auto"``) learns, for the whole batch:
     decayed counts of draft positions reached and accepted, rounds since the last round
-    that drafted, and how many rounds drafted each j = 0..K tokens."""
+    that drafted, the probe interval, and how many rounds drafted each j = 0..K tokens."""
 
     accepted: jax.Array  # float32[K]: decayed count of accepted drafts at position i
     reached: jax.Array  # float32[K]: decayed count of verified drafts at position i
     since: jax.Array  # int32 scalar: plain rounds since the last round that drafted
     k_rounds: jax.Array  # int32[K+1]: rounds that drafted j tokens
+    gap: jax.Array  # int32 scalar: plain rounds in a row before a probe (AUTO_PROBE..AUTO_PROBE_MAX)
+    probing: jax.Array  # bool scalar: the last round that drafted was a probe
 
     @classmethod
     def zeros(cls, k: int) -> "AutoState":
         return cls(accepted=jnp.zeros((k,), jnp.float32), reached=jnp.zeros((k,), jnp.float32),
-                   since=jnp.int32(0), k_rounds=jnp.zeros((k + 1,), jnp.int32))
+                   since=jnp.int32(0), k_rounds=jnp.zeros((k + 1,), jnp.int32),
+                   gap=jnp.int32(AUTO_PROBE), probing=jnp.bool_(False))
 
     def drafted(self, j: int, active, num_draft, num_accepted) -> "AutoState":
-        """After a round that drafted j >= 1 tokens."""
+        """After a round that drafted j >= 1 tokens: a probe if it came after ``gap`` plain
+        rounds; otherwise the rule chose to draft, and the probe interval starts afresh."""
         k = self.accepted.shape[0]
         pos = jnp.arange(k)[None, :]
         reached = (pos <= num_accepted[:, None]) & (pos < num_draft[:, None]) & active[:, None]
         acc = (pos < num_accepted[:, None]) & active[:, None]
-        g = AUTO_DECAY
+        # only positions this round drafted fade: what a deeper position showed stays until
+        # it is drafted again (else its counts fade to the prior, the position before's rate,
+        # while j stays below it, and the rule under-drafts where acceptance is correlated)
+        drafted = jnp.any((pos < num_draft[:, None]) & active[:, None], axis=0)
+        g = jnp.where(drafted, AUTO_DECAY, 1.0).astype(jnp.float32)
+        probe = self.since >= self.gap
         return AutoState(accepted=g * self.accepted + jnp.sum(acc, axis=0, dtype=jnp.float32),
                          reached=g * self.reached + jnp.sum(reached, axis=0, dtype=jnp.float32),
-                         since=jnp.int32(0), k_rounds=self.k_rounds.at[j].add(1))
+                         since=jnp.int32(0), k_rounds=self.k_rounds.at[j].add(1),
+                         gap=jnp.where(probe, self.gap, jnp.int32(AUTO_PROBE)), probing=probe)
 
     def plain(self) -> "AutoState":
-        """After a round that drafted nothing."""
-        return self.replace(since=self.since + 1, k_rounds=self.k_rounds.at[0].add(1))
+        """After a round that drafted nothing. Right after a probe (the probe did not make
+        drafting pay) the probe interval doubles, up to :data:`AUTO_PROBE_MAX`."""
+        failed = (self.since == 0) & self.probing
+        gap = jnp.where(failed, jnp.minimum(2 * self.gap, AUTO_PROBE_MAX), self.gap)
+        return self.replace(since=self.since + 1, k_rounds=self.k_rounds.at[0].add(1), gap=gap,
+                            probing=self.probing & ~failed)
 
 
 AUTO_PRIOR = 0.5  # acceptance assumed at a draft position before any evidence ...
 AUTO_PRIOR_WEIGHT = 2.0  # ... worth this many observations (later positions: the one before)
 AUTO_DECAY = 0.95  # evidence from older rounds fades (the text changes)
-AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence)
+AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence) ...
+AUTO_PROBE_MAX = 256  # ... and after each probe that leaves drafting unpaid, twice as many
 # part of every cost table's key: bumped when the rounds' code or the way they are measured
 # changes, so that tables measured before are not used (2: interleaved calibration passes;
-# 3: the branches of j no longer copy the caches)
+# 3: the branches of j no longer copy the caches, drafting costs smoothed)
 COST_MODEL_VERSION = 3
+
+
+def smooth_costs(cost) -> np.ndarray:
+    """A measured cost table with the drafting rounds' costs (j >= 1) replaced by their
+    least-squares line in j (when there are three or more): a drafting round is j draft
+    steps and a (j+1)-token verify pass, linear in j, while the timings carry a few
+    percent of noise each, which alone could make the rule skip a j (a measured 24.0,
+    27.2, 27.8 ms never chooses j=2). Clipped from below at the plain round's cost."""
+    cost = np.asarray(cost, np.float64).copy()
+    j = np.arange(1, cost.shape[0])
+    if j.shape[0] >= 3 and np.all(np.isfinite(cost[1:])):
+        slope, icpt = np.polyfit(j, cost[1:], 1)
+        cost[1:] = np.maximum(icpt + slope * j, cost[0])
+    return cost
 
 
 def choose_k(auto: AutoState, costs) -> jax.Array:
@@ -439,7 +468,9 @@ def choose_k(auto: AutoState, costs) -> jax.Array:
     tokens per unit cost, ``E_j / costs[j]``, where ``E_j = 1 + sum_{i<=j} prod_{m<=i} a_m``
     with ``a_m`` the batch's (decayed, smoothed) acceptance rate at draft position m and
     ``costs[j]`` the measured cost of a round that drafts j tokens (``inf``: never). After
-    :data:`AUTO_PROBE` plain rounds in a row the best j >= 1 is tried once. Reads only what
+    ``auto.gap`` plain rounds in a row (:data:`AUTO_PROBE`, doubled after every probe that
+    is followed by a plain round, up to :data:`AUTO_PROBE_MAX`; back to :data:`AUTO_PROBE`
+    when the rule drafts of itself) the best j >= 1 is tried once. Reads only what
     earlier rounds left in ``auto``: the choice never depends on the current round's draws,
     so every round is an exact speculative (or plain) step whatever j is."""
     k = auto.accepted.shape[0]
@@ -451,7 +482,7 @@ def choose_k(auto: AutoState, costs) -> jax.Array:
     score = e / jnp.asarray(costs, jnp.float32)
     best = jnp.argmax(score).astype(jnp.int32)
     best_spec = (1 + jnp.argmax(score[1:])).astype(jnp.int32)
-    probe = (best == 0) & (auto.since >= AUTO_PROBE) & (jnp.max(score[1:]) > 0)
+    probe = (best == 0) & (auto.since >= auto.gap) & (jnp.max(score[1:]) > 0)
     return jnp.where(probe, best_spec, best)
 
 
@@ -743,6 +774,11 @@ class _Sharded:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         n = full.size
         b = min(batch_size, n)
+        # per-row values on the host once: every pause picks rows from them (numpy, not
+        # one eager device gather per leaf and pause)
+        host = lambda a: np.asarray(jax.device_get(a)) if isinstance(a, jax.Array) else a  # noqa: E731
+        full = dataclasses.replace(full, params=jax.tree.map(host, full.params),
+                                   controls=jax.tree.map(host, full.controls))
         slots = list(range(b))  # dataset row in each slot (None: idle, nothing left)
         nxt = b
         tail = self._tail_sizes(b, compact)
@@ -1515,6 +1551,7 @@ class SpeculativeEngine(_Sharded):
         n0, n1 = ns[0], ns[-1]
         for j in range(self.k + 1):
             cost[j] = max((best[j, n1] - best[j, n0]) / max(iters[j, n1] - iters[j, n0], 1), 1e-9)
+        cost = smooth_costs(cost)
         self.set_costs(b, cost)
         if save:
             _save_costs(self.cost_key(b), cost.tolist())

@@ -120,6 +120,42 @@ def test_the_rule_drafts_when_it_pays_and_not_when_it_does_not():
     assert int(engine.choose_k(engine.AutoState.zeros(3), [1.0, np.inf, 1.0, np.inf])) == 2  # inf: never
 
 
+def test_the_probe_interval_doubles_while_probes_do_not_pay():
+    """Unpaid probes come after 32, 64, 128, 256, 256 ... plain rounds (a probe is 1-2
+    steps of overhead where drafting does not pay, e.g. at batch 16 on CPU); when the rule
+    drafts of itself the interval is 32 again. The mutant, a fixed interval, fails."""
+    low = (jnp.asarray([5.0, 1, 0]), jnp.asarray([100.0, 5, 1]))
+    high = (jnp.asarray([90.0, 80, 70]), jnp.asarray([100.0, 90, 80]))
+    flat = jnp.asarray([1.0, 1.1, 1.15, 1.2])
+
+    @jax.jit
+    def rnd(st, evidence):
+        st = st.replace(accepted=evidence[0], reached=evidence[1])
+        j = engine.choose_k(st, flat)
+        one = jnp.ones((1,), jnp.int32)
+        return jax.lax.cond(j > 0, lambda s: s.drafted(1, one > 0, one, 0 * one), lambda s: s.plain(), st), j
+
+    st, probes = engine.AutoState.zeros(3), []
+    for r in range(900):
+        st, j = rnd(st, low)
+        if int(j):
+            probes.append(r)
+    assert np.diff(probes).tolist()[:4] == [65, 129, 257, 257] and probes[0] == 32
+    assert int(st.gap) == engine.AUTO_PROBE_MAX
+    st, j = rnd(st, high)  # drafts of itself: the interval is back to 32
+    assert int(j) > 0 and int(st.gap) == engine.AUTO_PROBE
+
+
+def test_measured_costs_are_smoothed_in_j():
+    """Drafting rounds' costs become their line in j (a noisy 24.0, 27.2, 27.8 would
+    never choose j=2); the plain round's cost stays; K=2 tables are left as measured."""
+    got = engine.smooth_costs([21.7, 24.0, 27.2, 27.8])
+    assert got[0] == 21.7 and np.allclose(got[1:], [24.433, 26.333, 28.233], atol=1e-3)
+    assert np.allclose(np.diff(got[1:]), 1.9)
+    assert engine.smooth_costs([20.0, 30.0, 41.0]).tolist() == [20.0, 30.0, 41.0]
+    assert engine.smooth_costs([30.0, 20.0, 25.0, 30.0])[1] == 30.0  # never below a plain round
+
+
 def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
