@@ -105,7 +105,7 @@ def dataset(a, target, draft, tok):
     engines = {"autoregressive": build.make_autoregressive_engine(target),
                f"K={a.dataset_k}": build.make_engine(target, draft, a.dataset_k),
                "K=auto": build.make_engine(target, draft, "auto")}
-    for m in a.dataset_tail_costs:  # k=auto moves the tail only to sizes with a cost table
+    for m in a.dataset_tail_costs:  # the tail's own tables (others borrow the next larger one)
         if m < b:
             engines["K=auto"].costs_for(m)
     res = []
@@ -162,8 +162,8 @@ def main():
     ap.add_argument("--dataset-ladder", type=_csv(int), default=(),
                     help="also run the dataset with these tail sizes (generate_dataset(compact=[...]))")
     ap.add_argument("--dataset-tail-costs", type=_csv(int), default=(4, 1),
-                    help="batch sizes whose k=auto cost table is measured first (if not saved), "
-                         "so that the dataset run's tail can move to them")
+                    help="batch sizes whose k=auto cost table is measured first (if not saved); "
+                         "a tail size without one borrows the next larger size's")
     ap.add_argument("--dataset-temperature", type=float, default=0.7)
     ap.add_argument("--dataset-top-p", type=float, default=0.9)
     ap.add_argument("--skip-grid", action="store_true")

@@ -776,9 +776,9 @@ class _Sharded:
         b = min(batch_size, n)
         # per-row values on the host once: every pause picks rows from them (numpy, not
         # one eager device gather per leaf and pause)
-        host = lambda a: np.asarray(jax.device_get(a)) if isinstance(a, jax.Array) else a  # noqa: E731
-        full = dataclasses.replace(full, params=jax.tree.map(host, full.params),
-                                   controls=jax.tree.map(host, full.controls))
+        on_host = lambda a: np.asarray(jax.device_get(a)) if isinstance(a, jax.Array) else a  # noqa: E731
+        full = dataclasses.replace(full, params=jax.tree.map(on_host, full.params),
+                                   controls=jax.tree.map(on_host, full.controls))
         slots = list(range(b))  # dataset row in each slot (None: idle, nothing left)
         nxt = b
         tail = self._tail_sizes(b, compact)
