@@ -181,7 +181,8 @@ class _Phases(engine.SpeculativeEngine):
         return jnp.where(g < 6, 2, jnp.where(g < 10, 0, jnp.where(g < 13, 1, 0))).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle_backlog3", "eagle_no_backlog", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle_backlog3", "eagle_no_backlog", "eagle_chunked",
+                                  "draft_model"])
 def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     """Plain rounds (j = 0) skip ``propose``: the proposer must still end up where a fresh
     ``init`` over the committed sequence puts it (EAGLE head: its predicted feature and KV
@@ -190,7 +191,8 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     prefill, the verify pass and the plain step alike. The EAGLE head defers its plain
     rounds' steps (``plain_backlog``, 32: caught up in one forward before the next drafting
     round; ``eagle_backlog3``: 3, so the 4 and 7 plain rounds in a row here overflow it and
-    the engine catches up in between; ``eagle_no_backlog``: one step per plain round); the
+    the engine catches up in between; ``eagle_chunked``: 8, fed 2 pairs per forward;
+    ``eagle_no_backlog``: one step per plain round); the
     state the run ends with still has a backlog, which ``catch_up`` feeds."""
     from specjax.drafts import EagleProposer
     from specjax.models.eagle import EagleConfig, EagleModel
@@ -199,8 +201,9 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     if kind.startswith("eagle"):
         cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32,
                                      feature_layers=(1, 2, 0) if kind == "eagle3" else ())
-        backlog = {"eagle_backlog3": 3, "eagle_no_backlog": 0}.get(kind, 32)
-        prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K, plain_backlog=backlog)
+        backlog = {"eagle_backlog3": 3, "eagle_no_backlog": 0, "eagle_chunked": 8}.get(kind, 32)
+        prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K, plain_backlog=backlog,
+                             catch_up_chunk=2 if kind == "eagle_chunked" else 32)
     else:
         prop = DraftModelProposer(LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6), K)
     eng = _Phases(tgt, prop, "token", adaptive=True, costs={1: [1, 1, 1]})
@@ -228,3 +231,35 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
         got, want = st, fresh
     np.testing.assert_allclose(np.asarray(got.k)[:, 0, :, :n], np.asarray(want.k)[:, 0, :, :n], atol=2e-5)
     np.testing.assert_allclose(np.asarray(got.v)[:, 0, :, :n], np.asarray(want.v)[:, 0, :, :n], atol=2e-5)
+
+
+def test_chunked_catch_up_of_ragged_backlogs_is_a_fresh_prefill():
+    """Rows with backlogs of 6 and 3 pairs (a row that finished stops adding), fed 2 pairs
+    per forward (as many forwards as the longest needs) or in one: the head's state is what
+    a fresh ``init`` over each row's committed sequence gives."""
+    from specjax.drafts import EagleProposer
+    from specjax.models.eagle import EagleConfig, EagleModel
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32)
+    model = EagleModel.for_target(tgt, cfg, seed=1)
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 16)), jnp.int32)
+    plen, n = np.array([5, 4]), np.array([6, 3])
+    c = jnp.asarray(plen + n, jnp.int32)
+    cache_len = 32
+    hidden = tgt.apply(tgt.params, seq, tgt.init_cache(2, cache_len), return_hidden=True).hidden
+    for chunk in (2, 8):
+        prop = EagleProposer(model, K, plain_backlog=8, catch_up_chunk=chunk)
+        st = prop.init(prop.params, seq[:, :5], jnp.asarray(plen), cache_len, hidden[:, :5])
+        back = np.zeros(st["backlog"].shape, np.float32)
+        for b in range(2):  # entry j: the target's hidden state after s[c - 1 - n + j]
+            back[b, : n[b]] = np.asarray(hidden[b, plen[b] - 1: plen[b] - 1 + n[b]])
+        st = dict(st, backlog=jnp.asarray(back), n=jnp.asarray(n, jnp.int32))
+        st = prop.catch_up(prop.params, st, seq, c)
+        fresh = prop.init(prop.params, seq, c, cache_len, hidden)
+        np.testing.assert_allclose(np.asarray(st["h"]), np.asarray(fresh["h"]), atol=2e-5)
+        assert np.asarray(st["cache"].lengths).tolist() == (plen + n - 1).tolist()
+        for b in range(2):
+            m = plen[b] + n[b] - 1
+            np.testing.assert_allclose(np.asarray(st["cache"].k)[:, b, :, :m], np.asarray(fresh["cache"].k)[:, b, :, :m], atol=2e-5)
+            np.testing.assert_allclose(np.asarray(st["cache"].v)[:, b, :, :m], np.asarray(fresh["cache"].v)[:, b, :, :m], atol=2e-5)

@@ -55,9 +55,13 @@ class EagleProposer(ModelBackedProposer):
     min_prompt_len: int = 2
     always_drafts: bool = True  # num_draft is K for every row
     # adaptive K: the head steps of up to this many plain rounds (j = 0) in a row wait in the
-    # state (the target's hidden states) and run as one forward before the next drafting
-    # round (``catch_up``); 0: one head step per plain round. Speed only.
-    plain_backlog: int = 32
+    # state (the target's hidden states) and run before the next drafting round
+    # (``catch_up``, in forwards of ``catch_up_chunk`` pairs, as many as the longest backlog
+    # needs); 0: one head step per plain round. Speed only: where drafting does not pay
+    # (large batches) the head then runs only for probes, and not at all for what a row
+    # commits after its last one.
+    plain_backlog: int = 128
+    catch_up_chunk: int = 32
 
     @property
     def hidden_layers(self):
@@ -142,6 +146,21 @@ class EagleProposer(ModelBackedProposer):
         token s[c-n+j], j < n, c = ``seq_len``) in one forward of the head: the state is then
         what one head step per plain round would have left (up to rounding)."""
         n = state["n"]
-        out = self.commit(params, state, CommitContext(seq=seq, seq_len=seq_len,
-                                                       target_hidden=state["backlog"], num_new=n))
+        w = state["backlog"].shape[1]
+        c = self.catch_up_chunk if 0 < self.catch_up_chunk < w and w % self.catch_up_chunk == 0 else w
+        if c == w:
+            out = self.commit(params, state, CommitContext(seq=seq, seq_len=seq_len,
+                                                           target_hidden=state["backlog"], num_new=n))
+            return dict(out, n=jnp.zeros_like(n))
+        base = seq_len - 1 - n  # pairs fed before the backlog
+
+        def chunk(i, st):  # backlog pairs [i*c, i*c + c) of each row (m of them are real)
+            start = i * c
+            m = jnp.clip(n - start, 0, c)
+            fed = jnp.minimum(start, n)
+            return self.commit(params, st, CommitContext(
+                seq=seq, seq_len=base + fed + m + 1, num_new=m,
+                target_hidden=jax.lax.dynamic_slice_in_dim(state["backlog"], start, c, axis=1)))
+
+        out = jax.lax.fori_loop(0, (jnp.max(n) + c - 1) // c, chunk, state)
         return dict(out, n=jnp.zeros_like(n))
