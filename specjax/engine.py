@@ -710,9 +710,7 @@ class _Sharded:
                m, tuple(sorted(static.items())))
         got = self._compiled.get(sig)
         if got is None:
-            if getattr(self, "adaptive", False):  # compiling reads no costs (no measuring)
-                static_opts = dict(static_opts, costs=np.ones(self.k + 1))
-            args, static = self._call_args(_batch_rows(full, range(m)), **static_opts)
+            args, static = self._call_args(_batch_rows(full, range(m)), **self._no_costs(static_opts))
             small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
             small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small)
             advance = self._executable((small, *self._advance_inputs(args), np.int32(0), np.bool_(False)),
@@ -746,9 +744,15 @@ class _Sharded:
         """The arguments of ``_insert`` for dataset row ``i``. The prefill reads no costs:
         an adaptive engine gets a placeholder table of the same shape, so that inserting
         never measures costs at batch size 1."""
+        return self._call_args(_batch_rows(full, [i]), **self._no_costs(static_opts))[0]
+
+    def _no_costs(self, static_opts: dict) -> dict:
+        """``_call_args`` options for a program that reads no costs (a prefill, or one only
+        compiled): an adaptive engine gets a placeholder table of the right shape, so that
+        nothing is measured for it."""
         if getattr(self, "adaptive", False):
-            static_opts = dict(static_opts, costs=np.ones(self.k + 1))
-        return self._call_args(_batch_rows(full, [i]), **static_opts)[0]
+            return dict(static_opts, costs=np.ones(self.k + 1))
+        return static_opts
 
     def _insert_program(self, carry, args_one, slot, *, out_cap, cache_len):
         """Prefill one prompt (``args_one``: :meth:`_call_args` of a one-row batch) and put
@@ -783,6 +787,7 @@ class _Sharded:
         nxt = b
         tail = self._tail_sizes(b, compact)
         args, (start, advance, finish, insert) = self._dataset_executables(full, b, static_opts)
+        opts_at = {m: self._opts_at(static_opts, m, b) for m in [b] + tail}  # b's table: measured now
         one_args = lambda i: self._one_row_args(full, i, static_opts)  # noqa: E731
         results: list = [None] * n
         inserts = 0
@@ -824,8 +829,7 @@ class _Sharded:
                         slots = [slots[s] for s in idx]
                     live = [x if x is not None else 0 for x in slots]
                     # idle slots keep a finished row (done): its inputs are never used
-                    args_now, _ = self._call_args(_batch_rows(full, live),
-                                                  **self._opts_at(static_opts, len(slots), b))
+                    args_now, _ = self._call_args(_batch_rows(full, live), **opts_at[len(slots)])
                     rest = self._advance_inputs(args_now)
             host = _host(finish(carry))
         stages.append((len(slots), int(host["iterations"]) - stage_start))
@@ -1166,7 +1170,6 @@ class SpeculativeEngine(_Sharded):
             return lambda c: jax.lax.while_loop(go_on, step, settle(c, drafting=j > 0))
 
         branches = [branch(j) for j in range(self.k + 1)]
-
         return jax.lax.while_loop(more, lambda c: _run_branch(choice(c)[1], branches, c), carry)
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,

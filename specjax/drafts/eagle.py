@@ -143,15 +143,13 @@ class EagleProposer(ModelBackedProposer):
 
     def catch_up(self, params, state, seq, seq_len):
         """Feed the backlog's pairs (the target's hidden state after s[c-1-n+j], with the
-        token s[c-n+j], j < n, c = ``seq_len``) in one forward of the head: the state is then
-        what one head step per plain round would have left (up to rounding)."""
+        token s[c-n+j], j < n, c = ``seq_len``) in forwards of the head of ``catch_up_chunk``
+        pairs (the whole backlog when the chunk does not divide it), as many as the longest
+        row's backlog needs: the state is then what one head step per plain round would
+        have left (up to rounding)."""
         n = state["n"]
         w = state["backlog"].shape[1]
         c = self.catch_up_chunk if 0 < self.catch_up_chunk < w and w % self.catch_up_chunk == 0 else w
-        if c == w:
-            out = self.commit(params, state, CommitContext(seq=seq, seq_len=seq_len,
-                                                           target_hidden=state["backlog"], num_new=n))
-            return dict(out, n=jnp.zeros_like(n))
         base = seq_len - 1 - n  # pairs fed before the backlog
 
         def chunk(i, st):  # backlog pairs [i*c, i*c + c) of each row (m of them are real)
