@@ -146,3 +146,11 @@ def test_accel_slot_refuses_an_unknown_stage(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "accel_slot.py"), "--smoke", "--stages", "roofline,nope",
                         "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "unknown stages ['nope']" in r.stderr
+
+
+def test_bench_tree_shapes_refuses_bad_shapes():
+    for bad in (["--topk", "8/5"], ["--sampled", "2xa"], ["--rows", "0"]):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_tree_shapes.py"), *bad],
+                           capture_output=True, text=True, cwd=REPO)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "error:" in last and "Traceback" not in r.stderr, (bad, r.stderr)

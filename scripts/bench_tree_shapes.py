@@ -1,0 +1,118 @@
+"""Tokens per round by draft-tree shape (issue 17; a benchmark, not a test).
+
+    python scripts/bench_tree_shapes.py [--prompts-file F] [--rows 8] [--max-new-tokens 64]
+        [--seeds 4] [--chain 3] [--topk 4/3/16,8/5/32] [--sampled 3x2x1,4x2x2x1]
+        [--out out/tree_shapes.json]
+
+How many tokens a round emits is a property of the draft and the tree, not of the hardware:
+this measures it without timing, so that a CPU can say which tree a device should verify
+(where a verify pass of tens of tokens costs about one step). SmolLM2-135M-Instruct with
+the shipped EAGLE head, the first ``--rows`` prompts of the file in one batch, token
+verification:
+
+* ``--chain K``: the K-token chain (T = 0 and T = 1), for reference;
+* ``--topk a/d/n``: the head's top-``a`` tree of depth ``d`` and ``n`` nodes (EAGLE-2
+  growth), greedy rounds (T = 0; point-mass candidates);
+* ``--sampled b1xb2x...``: a full tree of that branching drawn from the head's law without
+  replacement (T = 1).
+
+Sampled rounds are random: T = 1 runs use ``--seeds`` seeds and report the pooled rate
+(tokens over rounds of all rows and seeds). Nodes per tree are printed beside each shape:
+the verify pass reads nodes + 1 tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _shapes(text, sep):
+    out = []
+    for s in (text or "").split(","):
+        if s.strip():
+            try:
+                shape = tuple(int(x) for x in s.split(sep))
+            except ValueError:
+                raise ValueError(f"bad tree shape {s.strip()!r}: integers separated by {sep!r}") from None
+            if min(shape) < 1:
+                raise ValueError(f"bad tree shape {s.strip()!r}: every number must be >= 1")
+            out.append(shape)
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts-file", default="configs/bench/prompts.txt")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seeds", type=int, default=4, help="seeds of the T = 1 runs")
+    ap.add_argument("--chain", type=int, default=3, help="the chain's K (0: none)")
+    ap.add_argument("--topk", default="4/3/16,8/5/32,8/6/48,10/6/60", help="top-k trees a/d/n (T = 0)")
+    ap.add_argument("--sampled", default="2x1x1,3x2x1,4x2x2x1,6x3x2x1", help="sampled trees' branching (T = 1)")
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    a = ap.parse_args(argv)
+    try:
+        topk, sampled = _shapes(a.topk, "/"), _shapes(a.sampled, "x")
+        if any(len(s) != 3 for s in topk):
+            raise ValueError("--topk shapes are a/d/n")
+        if a.rows < 1 or a.max_new_tokens < 2 or a.seeds < 1 or a.chain < 0:
+            raise ValueError("--rows, --seeds >= 1, --max-new-tokens >= 2, --chain >= 0")
+    except ValueError as e:
+        ap.error(str(e))
+
+    from scripts.bench.config import BenchConfig, build_prompts
+    from specjax import sampling
+    from specjax.build import load_target, make_engine, resolve_draft
+    from specjax.drafts.trees import make_tree_proposer
+
+    target, tok, _ = load_target("default")
+    draft, ddesc = resolve_draft(a.draft, target)
+    _, ids = build_prompts(BenchConfig(num_prompts=a.rows, prompts_file=a.prompts_file), tok, target.vocab_size)
+
+    def rate(eng, temperature):
+        sp = sampling.SamplingParams.create(len(ids), temperature=temperature)
+        toks = rounds = 0
+        for seed in range(a.seeds if temperature > 0 else 1):
+            out = eng.generate(ids, seed=seed, sampling_params=sp, max_new_tokens=a.max_new_tokens)
+            toks += sum(s.emitted for s in out.stats)
+            rounds += sum(s.rounds for s in out.stats)
+        return toks / rounds, toks
+
+    rows = []
+
+    def record(label, nodes, temperature, eng):
+        t0 = time.time()
+        r, toks = rate(eng, temperature)
+        rows.append(dict(shape=label, nodes=nodes, temperature=temperature, tokens_per_round=r, tokens=toks))
+        print(f"{label:28s} nodes {nodes:3d}  T={temperature:g}  {r:.3f} tokens/round  "
+              f"({toks} tokens, {time.time() - t0:.0f}s)", flush=True)
+
+    print(f"[tree shapes] {a.prompts_file}: {len(ids)} rows x {a.max_new_tokens} tokens, draft {ddesc}", flush=True)
+    if a.chain:
+        eng = make_engine(target, draft, a.chain, "token")
+        for t in (0.0, 1.0):
+            record(f"chain K={a.chain}", a.chain, t, eng)
+    for k, d, n in topk:
+        prop = make_tree_proposer(draft, k, d, n)
+        record(f"top-{k} tree, depth {d}", prop.tree_nodes, 0.0, make_engine(target, prop, None, "tree"))
+    for br in sampled:
+        prop = make_tree_proposer(draft, 2, len(br), 2, "without_replacement", br)
+        record("sampled " + "x".join(map(str, br)), prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
+
+    res = dict(prompts_file=a.prompts_file, rows=len(ids), max_new_tokens=a.max_new_tokens, seeds=a.seeds,
+               draft=str(ddesc), results=rows, command=" ".join(["python", "scripts/bench_tree_shapes.py"] + (argv or sys.argv[1:])))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
