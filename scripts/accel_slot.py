@@ -2,7 +2,7 @@
 BENCHMARKS.md needs, stage by stage, inside a time budget (a benchmark driver, not a test).
 
     python scripts/accel_slot.py --out "$OUT" --stages roofline,smollm --budget 420   # device call 1
-    python scripts/accel_slot.py --out "$OUT" --stages profile,spec,peer --budget 300 # device call 2
+    python scripts/accel_slot.py --out "$OUT" --stages profile,spec,trees,peer --budget 300 # device call 2
     python scripts/accel_slot.py --smoke --out out/slot_smoke  # the same stages, toy sizes, CPU
 
 Stages (``--stages``, in this order; each is a subprocess with its own time limit, cut to
@@ -21,6 +21,8 @@ slot that ends early still returns what was measured):
 * ``spec``: ``scripts/bench_schedule.py`` (autoregressive, K=3 and k=auto at batch 1 / 16 /
   64, T 0 and 1, float32) and ``scripts/benchmark.py --config gpu --param-dtype bfloat16``
   (bf16 target, cost ratios);
+* ``trees``: ``scripts/benchmark.py --config trees`` with the chain (K = 3, 5) against
+  large draft trees (top-8, 32 nodes at T = 0; a 4x2x2x1 sampled tree at T = 1), batch 1;
 * ``peer``: ``scripts/bench/hf_gpu_peer.py``, Hugging Face transformers on the same GPU,
   eager and with a static cache + ``torch.compile``, SmolLM2 and the random 8B shape.
 
@@ -59,6 +61,9 @@ def stages(smoke: bool) -> dict:
         peer = [("hf", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "8", "--smoke"], 300)]
         prof = [("round", [PY, "scripts/profile_round.py", "--model", "tiny", "--draft", "layers:1", "--k", "2",
                            "--prompts", "1", "--tokens", "8", "--no-hlo", "--out", "{out}/profile"], 300)]
+        trees = [("trees", [PY, "scripts/benchmark.py", "--config", "trees", "--num-prompts", "1", "--max-new-tokens",
+                            "8", "--repeats", "1", "--ks", "2", "--tree-topk", "2", "--tree-nodes", "3",
+                            "--tree-branching", "2,1", "--no-markdown", "--no-plots", "--out", "{out}/trees"], 300)]
     else:
         dsf = ["--xla-opt", "xla_gpu_enable_dynamic_slice_fusion=true"]
         common = ["--ts", "1,4", "--decode", "64", "--max-len", "512", "--cache-len", "64"]
@@ -83,9 +88,15 @@ def stages(smoke: bool) -> dict:
         # back under profile/: where the round's time outside the models goes on this device)
         prof = [("round-k3-t0", [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "0", "--prompts", "2",
                                  "--tokens", "32", "--no-hlo", "--out", "{out}/profile"], 120)]
+        # issue 17 where a verify pass of tens of tokens costs about one step: the chain
+        # against trees sized by their tokens per round (BENCHMARKS.md, "Tree shapes"):
+        # top-8 trees of depth 3 / 5 with 32 nodes (T = 0), 4x2x2x1 sampled (44 nodes, T = 1)
+        trees = [("trees", [PY, "scripts/benchmark.py", "--config", "trees", "--ks", "3,5", "--tree-topk", "8",
+                            "--tree-nodes", "32", "--tree-branching", "4,2,2,1", "--no-markdown", "--no-plots",
+                            "--out", "{out}/trees"], 240)]
         peer = [(f"hf-{m}", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "128", "--models", m,
                              "--compile-limit", "90"], 150) for m in ("smollm2", "llama3-8b-shape")]
-    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "peer": peer}
+    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "trees": trees, "peer": peer}
 
 
 # lines worth keeping in the summary: step and loop times, bandwidth, speedups, peers
@@ -127,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/slot")
     ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds for the stages of this call together (a device call may run 600 s at most)")
-    ap.add_argument("--stages", default="roofline,smollm,profile,spec,peer")
+    ap.add_argument("--stages", default="roofline,smollm,profile,spec,trees,peer")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself on a CPU")
     a = ap.parse_args(argv)
     plan = stages(a.smoke)
