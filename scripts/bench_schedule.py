@@ -19,7 +19,9 @@ compacted (the default: once no prompt is left, the running rows move to fewer s
 Reported: wall time per generated token, loop iterations, slot iterations (slots x
 iterations, summed over the batch sizes a run went through), tokens per slot iteration
 against the rows' own tokens per round (their ratio), and whether every mode gave the
-same tokens (fixed K and autoregressive: they must).
+same tokens (fixed K and autoregressive: they must). ``--dataset-settings`` and
+``--dataset-modes`` pick engines and modes; ``--dataset-repeats N`` times every one N times,
+interleaved, and reports the median (and the range).
 
 Prints a Markdown report and writes it with every figure to ``--out`` (JSON + .md).
 """
@@ -95,6 +97,9 @@ def grid(a, target, draft, tok, lines):
     return rows
 
 
+DATASET_MODES = {"fixed": "fixed batches", "all": "continuous, all slots", "tail": "continuous, tail compacted"}
+
+
 def dataset(a, target, draft, tok):
     texts = _read(REPO / "configs/bench/dataset_prompts.txt")[: a.dataset_prompts]
     ids = [tok.encode_user(t) for t in texts]
@@ -102,19 +107,23 @@ def dataset(a, target, draft, tok):
     kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.dataset_max_new, stop_tokens=list(tok.stop_ids))
     b = a.dataset_batch
     chunks = [list(range(i, min(i + b, len(ids)))) for i in range(0, len(ids), b)]
-    engines = {"autoregressive": build.make_autoregressive_engine(target),
-               f"K={a.dataset_k}": build.make_engine(target, draft, a.dataset_k),
-               "K=auto": build.make_engine(target, draft, "auto")}
-    for m in a.dataset_tail_costs:  # the tail's own tables (others borrow the next larger one)
-        if m < b:
-            engines["K=auto"].costs_for(m)
-    res = []
+    engines = {}
+    if "ar" in a.dataset_settings:
+        engines["autoregressive"] = build.make_autoregressive_engine(target)
+    if "k" in a.dataset_settings:
+        engines[f"K={a.dataset_k}"] = build.make_engine(target, draft, a.dataset_k)
+    if "auto" in a.dataset_settings:
+        engines["K=auto"] = build.make_engine(target, draft, "auto")
+        for m in a.dataset_tail_costs:  # the tail's own tables (others borrow the next larger one)
+            if m < b:
+                engines["K=auto"].costs_for(m)
+    runs = []  # (setting, mode, fn): every program compiled before anything is timed
     for name, eng in engines.items():
-        for c in chunks:  # compile every program first
+        for c in chunks:
             eng.compile([ids[i] for i in c], row_indices=c, **kw)
         eng.compile(ids, dataset_batch=b, **kw)  # compact=False runs a subset of these programs
 
-        def fixed():
+        def fixed(eng=eng):
             outs = [eng.generate([ids[i] for i in c], row_indices=c, **kw) for c in chunks]
             toks = [t for o in outs for t in o.tokens]
             stats = None if outs[0].stats is None else [s for o in outs for s in o.stats]
@@ -122,29 +131,41 @@ def dataset(a, target, draft, tok):
             slot_iters = sum(len(c) * int(o.raw["iterations"]) for c, o in zip(chunks, outs))
             return toks, stats, iters, slot_iters
 
-        def cont(compact):
+        def cont(compact, eng=eng):
             def run():
                 o = eng.generate_dataset(ids, batch_size=b, compact=compact, **kw)
                 return o.tokens, o.stats, int(o.raw["iterations"]), int(o.raw["slot_iterations"])
             return run
 
-        modes = [("fixed batches", fixed), ("continuous, all slots", cont(False)),
-                 ("continuous, tail compacted", cont(True))]
+        modes = {"fixed": fixed, "all": cont(False), "tail": cont(True)}
+        for m in a.dataset_modes:
+            runs.append((name, DATASET_MODES[m], modes[m]))
         if a.dataset_ladder:
             eng.compile(ids, dataset_batch=b, compact=list(a.dataset_ladder), **kw)
-            modes.append((f"continuous, tail sizes {','.join(map(str, a.dataset_ladder))}",
-                          cont(list(a.dataset_ladder))))
-        for mode, fn in modes:
-            (toks, stats, iters, slot_iters), dt = _timed(fn)
-            n = sum(len(t) for t in toks)
-            row = dict(setting=name, mode=mode, seconds=dt, tokens=n, ms_per_token=1e3 * dt / n,
-                       iterations=iters, slot_iterations=slot_iters,
-                       tokens_per_iteration_per_slot=n / slot_iters, lengths=[len(t) for t in toks])
-            if stats is not None:
-                row["rows_tokens_per_round"] = n / sum(s.rounds for s in stats)
-            row["tokens_list"] = toks
-            res.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("tokens_list", "lengths")}), flush=True)
+            runs.append((name, f"continuous, tail sizes {','.join(map(str, a.dataset_ladder))}",
+                         cont(list(a.dataset_ladder))))
+    # --dataset-repeats rounds over every (setting, mode), interleaved, so that the machine's
+    # drift falls on all of them alike; the median time is reported (outputs are the same
+    # every time: the keys are fixed)
+    first, times = {}, {}
+    for _ in range(a.dataset_repeats):
+        for name, mode, fn in runs:
+            got, dt = _timed(fn)
+            first.setdefault((name, mode), got)
+            times.setdefault((name, mode), []).append(dt)
+    res = []
+    for name, mode, _ in runs:
+        (toks, stats, iters, slot_iters), dts = first[(name, mode)], times[(name, mode)]
+        dt = float(np.median(dts))
+        n = sum(len(t) for t in toks)
+        row = dict(setting=name, mode=mode, seconds=dt, all_seconds=dts, tokens=n, ms_per_token=1e3 * dt / n,
+                   iterations=iters, slot_iterations=slot_iters,
+                   tokens_per_iteration_per_slot=n / slot_iters, lengths=[len(t) for t in toks])
+        if stats is not None:
+            row["rows_tokens_per_round"] = n / sum(s.rounds for s in stats)
+        row["tokens_list"] = toks
+        res.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens_list", "lengths")}), flush=True)
     return res
 
 
@@ -166,10 +187,22 @@ def main():
                          "a tail size without one borrows the next larger size's")
     ap.add_argument("--dataset-temperature", type=float, default=0.7)
     ap.add_argument("--dataset-top-p", type=float, default=0.9)
+    ap.add_argument("--dataset-settings", type=_csv(str), default=("ar", "k", "auto"),
+                    help="engines of the dataset run: ar (autoregressive), k (--dataset-k), auto")
+    ap.add_argument("--dataset-modes", type=_csv(str), default=tuple(DATASET_MODES),
+                    help="fixed (fixed batches), all (continuous, every slot to the end), tail (continuous, "
+                         "tail compacted)")
+    ap.add_argument("--dataset-repeats", type=int, default=1,
+                    help="timed runs of every setting and mode, interleaved (the median is reported)")
     ap.add_argument("--skip-grid", action="store_true")
     ap.add_argument("--skip-dataset", action="store_true")
     ap.add_argument("--out", default="out/bench_schedule")
     a = ap.parse_args()
+    bad = [x for x in a.dataset_settings if x not in ("ar", "k", "auto")] + \
+        [x for x in a.dataset_modes if x not in DATASET_MODES]
+    if bad or a.dataset_repeats < 1 or not a.dataset_settings or not a.dataset_modes:
+        ap.error(f"--dataset-settings: ar,k,auto; --dataset-modes: {','.join(DATASET_MODES)}; "
+                 f"--dataset-repeats >= 1 (got {', '.join(bad) or a.dataset_repeats})")
     target, tok, _ = build.load_target("default")
     draft, _ = build.resolve_draft("default", target)
     lines = [f"command: `python {shlex.join(['scripts/bench_schedule.py'] + sys.argv[1:])}`",
@@ -196,10 +229,12 @@ def main():
             same = ""
             if r["mode"] == "fixed batches":
                 ref[r["setting"]] = r["tokens_list"]
-            else:
-                same = "yes" if ref.get(r["setting"]) == r["tokens_list"] else "no"
+            elif r["setting"] in ref:
+                same = "yes" if ref[r["setting"]] == r["tokens_list"] else "no"
             per_row = r.get("rows_tokens_per_round", 1.0)  # autoregressive: 1 token per step
-            md.append(f"| {r['setting']} | {r['mode']} | {r['seconds']:.1f} | {r['tokens']} | {r['ms_per_token']:.2f} | "
+            spread = r.get("all_seconds", [])
+            secs = f"{r['seconds']:.1f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else "")
+            md.append(f"| {r['setting']} | {r['mode']} | {secs} | {r['tokens']} | {r['ms_per_token']:.2f} | "
                       f"{r['iterations']} | {r['slot_iterations']} | {r['tokens_per_iteration_per_slot']:.3f} | "
                       f"{r.get('rows_tokens_per_round', float('nan')):.3f} | "
                       f"{r['tokens_per_iteration_per_slot'] / per_row:.3f} | {same} |")
