@@ -423,6 +423,9 @@ class AutoState:
         # while j stays below it, and the rule under-drafts where acceptance is correlated)
         drafted = jnp.any((pos < num_draft[:, None]) & active[:, None], axis=0)
         g = jnp.where(drafted, AUTO_DECAY, 1.0).astype(jnp.float32)
+        # a probe: drafted after ``gap`` plain rounds (a round the rule chose itself between
+        # ``gap`` and the cost minimum of ``choose_k`` counts as one too; drafting is costly
+        # and rare there)
         probe = self.since >= self.gap
         return AutoState(accepted=g * self.accepted + jnp.sum(acc, axis=0, dtype=jnp.float32),
                          reached=g * self.reached + jnp.sum(reached, axis=0, dtype=jnp.float32),
@@ -443,6 +446,7 @@ AUTO_PRIOR_WEIGHT = 2.0  # ... worth this many observations (later positions: th
 AUTO_DECAY = 0.95  # evidence from older rounds fades (the text changes)
 AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence) ...
 AUTO_PROBE_MAX = 256  # ... and after each probe that leaves drafting unpaid, twice as many
+AUTO_PROBE_SHARE = 0.01  # ... and never more often than keeps probes' extra cost under 1%
 # part of every cost table's key: bumped when the rounds' code or the way they are measured
 # changes, so that tables measured before are not used (2: interleaved calibration passes;
 # 3: the branches of j no longer copy the caches, drafting costs smoothed)
@@ -470,7 +474,8 @@ def choose_k(auto: AutoState, costs) -> jax.Array:
     ``costs[j]`` the measured cost of a round that drafts j tokens (``inf``: never). After
     ``auto.gap`` plain rounds in a row (:data:`AUTO_PROBE`, doubled after every probe that
     is followed by a plain round, up to :data:`AUTO_PROBE_MAX`; back to :data:`AUTO_PROBE`
-    when the rule drafts of itself) the best j >= 1 is tried once. Reads only what
+    when the rule drafts of itself), and at least ``x / AUTO_PROBE_SHARE`` where the probe
+    costs ``x`` plain rounds more than a plain round, the best j >= 1 is tried once. Reads only what
     earlier rounds left in ``auto``: the choice never depends on the current round's draws,
     so every round is an exact speculative (or plain) step whatever j is."""
     k = auto.accepted.shape[0]
@@ -482,7 +487,13 @@ def choose_k(auto: AutoState, costs) -> jax.Array:
     score = e / jnp.asarray(costs, jnp.float32)
     best = jnp.argmax(score).astype(jnp.int32)
     best_spec = (1 + jnp.argmax(score[1:])).astype(jnp.int32)
-    probe = (best == 0) & (auto.since >= auto.gap) & (jnp.max(score[1:]) > 0)
+    # a probe costs x = costs[j] / costs[0] - 1 plain rounds more than a plain round: at
+    # least x / AUTO_PROBE_SHARE plain rounds between probes keep them under that share
+    # of the time (a batch-16 probe on 2 CPU cores costs ~0.8 plain rounds; at batch 1 ~0.1)
+    c = jnp.asarray(costs, jnp.float32)
+    extra = jnp.where(jnp.isfinite(c[best_spec]), c[best_spec] / c[0] - 1.0, 0.0)
+    gap = jnp.maximum(auto.gap, jnp.ceil(extra * (1.0 / AUTO_PROBE_SHARE)).astype(jnp.int32))
+    probe = (best == 0) & (auto.since >= gap) & (jnp.max(score[1:]) > 0)
     return jnp.where(probe, best_spec, best)
 
 

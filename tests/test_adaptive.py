@@ -3,6 +3,8 @@ of draft tokens changes from round to round (and from row to row), the cost mode
 a mutant that peeks at the current round and must fail the law test."""
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +146,41 @@ def test_the_probe_interval_doubles_while_probes_do_not_pay():
     assert int(st.gap) == engine.AUTO_PROBE_MAX
     st, j = rnd(st, high)  # drafts of itself: the interval is back to 32
     assert int(j) > 0 and int(st.gap) == engine.AUTO_PROBE
+
+
+def test_a_costly_probe_waits_until_it_is_a_small_share_of_the_time():
+    """A probe that costs x = 1 plain round more (costs 1, 2, 3, 4: drafting at a large
+    batch) comes after at least x / AUTO_PROBE_SHARE = 100 plain rounds, then the doubled
+    intervals once they are longer: 100, 101, 129, 257. The mutant, the interval without
+    the minimum (probes after 32, 65, 129), fails."""
+    low = (jnp.asarray([5.0, 1, 0]), jnp.asarray([100.0, 5, 1]))
+    steep = jnp.asarray([1.0, 2.0, 3.0, 4.0])
+    one = jnp.ones((1,), jnp.int32)
+
+    def run(rule):
+        @jax.jit
+        def rnd(st):
+            st = st.replace(accepted=low[0], reached=low[1])
+            j = rule(st, steep)
+            return jax.lax.cond(j > 0, lambda s: s.drafted(1, one > 0, one, 0 * one), lambda s: s.plain(), st), j
+
+        st, probes = engine.AutoState.zeros(3), []
+        for r in range(700):
+            st, j = rnd(st)
+            if int(j):
+                probes.append(r)
+        return probes
+
+    assert engine.AUTO_PROBE_SHARE == 0.01
+    probes = run(engine.choose_k)
+    assert probes[0] == 100 and np.diff(probes).tolist()[:3] == [101, 129, 257], probes
+
+    def mutant(st, costs):  # the interval alone: a probe at batch 16 every 32-256 rounds
+        with mock.patch.object(engine, "AUTO_PROBE_SHARE", 1e9):
+            return engine.choose_k(st, costs)
+
+    bad = run(mutant)
+    assert bad[0] == 32 and np.diff(bad).tolist()[:2] == [65, 129]
 
 
 def test_measured_costs_are_smoothed_in_j():
