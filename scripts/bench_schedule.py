@@ -224,12 +224,11 @@ def main():
     if out["dataset"]:
         md += ["| setting | mode | s | tokens | ms/token | loop iterations | slot iterations | tok/iteration/slot | rows' tok/round | ratio | same tokens as fixed |",
                "|---|---|---|---|---|---|---|---|---|---|---|"]
-        ref = {}
+        # each setting's fixed-batch tokens, whatever order --dataset-modes ran the modes in
+        ref = {r["setting"]: r["tokens_list"] for r in out["dataset"] if r["mode"] == "fixed batches"}
         for r in out["dataset"]:
             same = ""
-            if r["mode"] == "fixed batches":
-                ref[r["setting"]] = r["tokens_list"]
-            elif r["setting"] in ref:
+            if r["mode"] != "fixed batches" and r["setting"] in ref:
                 same = "yes" if ref[r["setting"]] == r["tokens_list"] else "no"
             per_row = r.get("rows_tokens_per_round", 1.0)  # autoregressive: 1 token per step
             spread = r.get("all_seconds", [])
