@@ -154,3 +154,21 @@ def test_bench_tree_shapes_refuses_bad_shapes():
                            capture_output=True, text=True, cwd=REPO)
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and "error:" in last and "Traceback" not in r.stderr, (bad, r.stderr)
+
+
+@pytest.mark.parametrize("layers", [(), (1, 0)], ids=["eagle", "eagle3"])
+def test_step_timer_times_an_eagle_head_of_either_kind(layers):
+    """The benchmark's cost table times an EAGLE head's propose on stand-in target features
+    of the width the head reads (n * dim for an EAGLE-3 head: a run with one failed here)."""
+    from scripts.bench.config import load_bench_config
+    from scripts.bench.timing import StepTimer
+    from specjax.models.eagle import EagleConfig, EagleModel
+    from specjax.models.llama import LlamaLM, tiny_config
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32, feature_layers=layers)
+    head = EagleModel.for_target(tgt, cfg, seed=1)
+    bc = load_bench_config("quick", max_new_tokens=8, step_repeats=2)
+    timer = StepTimer(tgt, head, {"kind": "eagle"}, 1, [2], [[1, 2, 3, 4, 5]], bc)
+    r = timer.retime()
+    assert math.isfinite(r["t_propose_ms"][2]) and r["t_propose_ms"][2] > 0

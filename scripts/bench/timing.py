@@ -106,7 +106,8 @@ class StepTimer:
             prop = make_proposer(draft, k, v)
             hidden = None
             if getattr(prop, "needs_target_hidden", False):  # EAGLE: stand-in target features
-                hidden = jnp.asarray(rng.standard_normal((batch, pbucket, target.config.dim)), jnp.float32)
+                width = prop.model.config.feature_dim  # n * dim for an EAGLE-3 head's layers
+                hidden = jnp.asarray(rng.standard_normal((batch, pbucket, width)), jnp.float32)
             state = prop.init(prop.params, seq[:, :pbucket], jnp.full((batch,), min(plen, pbucket), jnp.int32),
                               cache_len, hidden)
 
