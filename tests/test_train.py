@@ -233,3 +233,27 @@ def test_several_prompt_files_and_held_out_prompts_left_out(prompt_files, tmp_pa
     assert dropped == 1 and lines == T.prompt_lines(tr) + ["1 2 3", "4 5"]
     assert T.training_lines(one.data) == (T.prompt_lines(tr), 0)
     assert T._data_key(one, "train") != T._data_key(two, "train")
+
+
+def test_another_feature_set_reuses_the_generated_text(prompt_files, tmp_path, target, monkeypatch):
+    """An EAGLE-1 run after an EAGLE-3 run on the same data settings (or the other way round)
+    pays only the teacher forward: the on-policy text is cached apart from the features."""
+    tr, ho, _ = prompt_files
+    files = (tr, ho, str(tmp_path / "cache"))
+    e3 = T.load_config(_cfg(files, tmp_path / "e3", dict(kind="eagle", n_layers=1, feature_layers=[0, 1, 2])))
+    e1 = T.load_config(_cfg(files, tmp_path / "e1", dict(kind="eagle", n_layers=1)))
+    assert T._data_key(e3, "train") != T._data_key(e1, "train")
+    assert T._data_key(e3, "train", text_only=True) == T._data_key(e1, "train", text_only=True)
+    first = T.build_data(e3, "train", target, None, log=lambda s: None)
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated the text again")
+
+    monkeypatch.setattr(T, "_generate", no_generation)
+    logs = []
+    second = T.build_data(e1, "train", target, None, log=logs.append)
+    assert not second["cached"] and any("generated rows from" in ln for ln in logs), logs
+    for k in ("tokens", "lengths", "prompt_lens", "topk_idx"):
+        np.testing.assert_array_equal(first[k], second[k])
+    np.testing.assert_allclose(first["topk_p"], second["topk_p"], rtol=1e-5, atol=1e-7)
+    assert "features" in first and "hidden" in second and "features" not in second

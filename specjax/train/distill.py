@@ -392,7 +392,9 @@ def feature_layers(cfg: RunConfig) -> Optional[tuple]:
     return tuple(cfg.draft.feature_layers) if cfg.draft.kind == "eagle" and cfg.draft.feature_layers else None
 
 
-def _data_key(cfg: RunConfig, split: str) -> str:
+def _data_key(cfg: RunConfig, split: str, text_only: bool = False) -> str:
+    """The cache key of a split's data; ``text_only``: of its generated sequences alone (the
+    same for every feature set: an EAGLE-1 and an EAGLE-3 run share the on-policy text)."""
     d = dataclasses.asdict(cfg.data)
     d.pop("cache_dir")
     d.pop("teacher_batch")
@@ -412,7 +414,7 @@ def _data_key(cfg: RunConfig, split: str) -> str:
     if not tgt["overrides"]:
         tgt.pop("overrides")  # keys of configs written before the field existed stay valid
     key = dict(target=tgt, data=d, seed=cfg.seed, split=split, version=1)
-    if feature_layers(cfg):  # EAGLE-3 data also holds these layers (other keys unchanged)
+    if feature_layers(cfg) and not text_only:  # EAGLE-3 data also holds these layers (other keys unchanged)
         key["features"] = list(feature_layers(cfg))
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -441,22 +443,12 @@ def _teacher_fn(target, topk, layers=None):
     return jax.jit(f)
 
 
-def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
-    """Generate (or load from the cache) the on-policy data of one split ('train'/'heldout')."""
+def _generate(cfg: RunConfig, split: str, target, tok, log, t0) -> tuple:
+    """The split's on-policy sequences (prompt + continuation token lists), prompt lengths."""
     from specjax import sampling
     from specjax.build import generate_autoregressive
 
     dc = cfg.data
-    key = _data_key(cfg, split)
-    cache_dir = _path(dc.cache_dir)
-    path = os.path.join(cache_dir, f"{split}-{key}.npz")
-    if os.path.isfile(path):
-        with np.load(path) as f:
-            data = {k: f[k] for k in f.files}
-        data["cached"] = True
-        log(f"[data] {split}: loaded {path} ({int(data['lengths'].sum())} tokens)")
-        return data
-    t0 = time.time()
     if split == "train":
         lines, dropped = training_lines(dc)
         if dropped:
@@ -480,12 +472,43 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
             plens.append(len(p))
         log(f"[data] {split}: generated {s + len(chunk)}/{len(rows)} rows, "
             f"{sum(len(x) - p for x, p in zip(seqs, plens))} new tokens, {time.time() - t0:.0f}s")
+    return seqs, plens
+
+
+def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
+    """Generate (or load from the cache) the on-policy data of one split ('train'/'heldout').
+    The generated text is also cached on its own (``*.text.npz``, keyed without the feature
+    layers), so a run for another feature set pays only the teacher forward."""
+    dc = cfg.data
+    key = _data_key(cfg, split)
+    cache_dir = _path(dc.cache_dir)
+    path = os.path.join(cache_dir, f"{split}-{key}.npz")
+    if os.path.isfile(path):
+        with np.load(path) as f:
+            data = {k: f[k] for k in f.files}
+        data["cached"] = True
+        log(f"[data] {split}: loaded {path} ({int(data['lengths'].sum())} tokens)")
+        return data
+    t0 = time.time()
+    text_path = os.path.join(cache_dir, f"{split}-{_data_key(cfg, split, text_only=True)}.text.npz")
+    if os.path.isfile(text_path):  # the same on-policy text, generated for another feature set
+        with np.load(text_path) as f:
+            seqs = [[int(t) for t in row[:n]] for row, n in zip(f["tokens"], f["lengths"])]
+            plens = [int(p) for p in f["prompt_lens"]]
+        log(f"[data] {split}: {len(seqs)} generated rows from {text_path}")
+    else:
+        seqs, plens = _generate(cfg, split, target, tok, log, t0)
     n = len(seqs)
     lengths = np.array([len(x) for x in seqs], np.int32)
     T = _pad64(lengths.max())  # batches are cropped to multiples of 64 anyway
     toks = np.zeros((n, T), np.int32)
     for i, x in enumerate(seqs):
         toks[i, :len(x)] = x
+    os.makedirs(cache_dir, exist_ok=True)
+    if not os.path.isfile(text_path):
+        tmp = text_path + ".tmp.npz"
+        np.savez(tmp, tokens=toks, lengths=lengths, prompt_lens=np.array(plens, np.int32))
+        os.replace(tmp, text_path)
     layers = feature_layers(cfg)
     fn = _teacher_fn(target, dc.topk, layers)
     D = target.config.dim
