@@ -444,7 +444,8 @@ def _teacher_fn(target, topk, layers=None):
 
 
 def _generate(cfg: RunConfig, split: str, target, tok, log, t0) -> tuple:
-    """The split's on-policy sequences (prompt + continuation token lists), prompt lengths."""
+    """The split's on-policy sequences (prompt + continuation), as ``tokens`` [n, T] (T a
+    multiple of 64, zero-padded), ``lengths`` [n] and ``prompt_lens`` [n]."""
     from specjax import sampling
     from specjax.build import generate_autoregressive
 
@@ -472,7 +473,18 @@ def _generate(cfg: RunConfig, split: str, target, tok, log, t0) -> tuple:
             plens.append(len(p))
         log(f"[data] {split}: generated {s + len(chunk)}/{len(rows)} rows, "
             f"{sum(len(x) - p for x, p in zip(seqs, plens))} new tokens, {time.time() - t0:.0f}s")
-    return seqs, plens
+    lengths = np.array([len(x) for x in seqs], np.int32)
+    toks = np.zeros((len(seqs), _pad64(lengths.max())), np.int32)  # batches are cropped to multiples of 64 anyway
+    for i, x in enumerate(seqs):
+        toks[i, :len(x)] = x
+    return toks, lengths, np.array(plens, np.int32)
+
+
+def _save_npz(path: str, arrays: dict) -> None:
+    """Write ``arrays`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
@@ -490,25 +502,16 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
         log(f"[data] {split}: loaded {path} ({int(data['lengths'].sum())} tokens)")
         return data
     t0 = time.time()
+    os.makedirs(cache_dir, exist_ok=True)
     text_path = os.path.join(cache_dir, f"{split}-{_data_key(cfg, split, text_only=True)}.text.npz")
     if os.path.isfile(text_path):  # the same on-policy text, generated for another feature set
         with np.load(text_path) as f:
-            seqs = [[int(t) for t in row[:n]] for row, n in zip(f["tokens"], f["lengths"])]
-            plens = [int(p) for p in f["prompt_lens"]]
-        log(f"[data] {split}: {len(seqs)} generated rows from {text_path}")
+            toks, lengths, plens = f["tokens"], f["lengths"], f["prompt_lens"]
+        log(f"[data] {split}: {len(lengths)} generated rows from {text_path}")
     else:
-        seqs, plens = _generate(cfg, split, target, tok, log, t0)
-    n = len(seqs)
-    lengths = np.array([len(x) for x in seqs], np.int32)
-    T = _pad64(lengths.max())  # batches are cropped to multiples of 64 anyway
-    toks = np.zeros((n, T), np.int32)
-    for i, x in enumerate(seqs):
-        toks[i, :len(x)] = x
-    os.makedirs(cache_dir, exist_ok=True)
-    if not os.path.isfile(text_path):
-        tmp = text_path + ".tmp.npz"
-        np.savez(tmp, tokens=toks, lengths=lengths, prompt_lens=np.array(plens, np.int32))
-        os.replace(tmp, text_path)
+        toks, lengths, plens = _generate(cfg, split, target, tok, log, t0)
+        _save_npz(text_path, dict(tokens=toks, lengths=lengths, prompt_lens=plens))
+    n, T = toks.shape
     layers = feature_layers(cfg)
     fn = _teacher_fn(target, dc.topk, layers)
     D = target.config.dim
@@ -538,18 +541,14 @@ def build_data(cfg: RunConfig, split: str, target, tok, log=print) -> dict:
             if not np.isfinite(f).all():
                 raise RuntimeError(f"hidden states of layers {list(layers)} overflow {np.dtype(hdt).name}")
             feats[rows_b, :tlen] = f
-    data = dict(tokens=toks, lengths=lengths, prompt_lens=np.array(plens, np.int32), topk_p=tp,
-                topk_idx=ti)
+    data = dict(tokens=toks, lengths=lengths, prompt_lens=plens, topk_p=tp, topk_idx=ti)
     if hid is not None:
         data["hidden"] = hid
     if feats is not None:
         data["features"] = feats
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **data)
-    os.replace(tmp, path)
+    _save_npz(path, data)
     log(f"[data] {split}: {n} rows, {int(lengths.sum())} tokens "
-        f"({int((lengths - np.array(plens)).sum())} generated) in {time.time() - t0:.0f}s -> {path}")
+        f"({int((lengths - plens).sum())} generated) in {time.time() - t0:.0f}s -> {path}")
     data["cached"] = False
     return data
 
