@@ -134,14 +134,17 @@ def _head(heldout: list, engine: list, bench: list, limit: int) -> list:
     batch-1 benchmark against autoregressive decoding, and the shipped head in the engine."""
     files = ["configs/train/prompts_heldout.txt", "configs/train/prompts_heldout_b.txt"]
     draft = "{work}/eagle3/draft.npz"
-    ev = [PY, "scripts/eval_draft.py", "--k", "3", "--file", files[1], "--no-timing"] + engine
-    return [("eagle3-engine", ev[:2] + [draft] + ev[2:], limit),
+
+    def in_engine(d):
+        return [PY, "scripts/eval_draft.py", d, "--k", "3", "--file", files[1], "--no-timing"] + engine
+
+    return [("eagle3-engine", in_engine(draft), limit),
             ("eagle3-heldout", [PY, "scripts/eval_heldout.py", "--prompts", *files, "--draft", draft,
                                 "--json", "{out}/heldout_eagle3.json"] + heldout, limit),
             ("eagle3-speed", [PY, "scripts/benchmark.py", "--draft", draft, "--batch-sizes", "1", "--temperatures", "0,1",
                               "--methods", "token", "--repeats", "1", "--no-peer", "--no-markdown", "--no-plots",
                               "--out", "{out}/eagle3_bench"] + bench, 2 * limit),
-            ("shipped-engine", ev[:2] + ["default"] + ev[2:], limit)]
+            ("shipped-engine", in_engine("default"), limit)]
 
 
 # lines worth keeping in the summary: step and loop times, bandwidth, speedups, peers
@@ -201,8 +204,9 @@ def main(argv=None) -> int:
 
     summary = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
                "budget_s": a.budget, "smoke": a.smoke, "stages": {}}
+    work = Path(a.work) if a.work else out
     for name in wanted:
-        summary["stages"][name] = run_stage(name, plan[name], out, deadline, Path(a.work or out))
+        summary["stages"][name] = run_stage(name, plan[name], out, deadline, work)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     failed = [f"{n}/{r['label']}" for n, rs in summary["stages"].items() for r in rs if r.get("rc") not in (0, None)]
     print(f"[slot] done; summary in {out / 'summary.json'}" + (f"; not clean: {failed}" if failed else ""))
