@@ -59,6 +59,7 @@ __all__ = [
     # draft trees
     "TREE_DRAWS", "tree_paths", "tree_context_rows", "enumerate_trees", "sample_trees",
     "exact_tree_law", "tree_monte_carlo_counts", "audit_tree_law", "audit_tree_monte_carlo",
+    "dynamic_tree_valid",
 ]
 
 EXACT_TOL = 1e-9  # max |law - target law| for an exact verifier (float64 enumeration)
@@ -601,9 +602,51 @@ TREE_CHUNK = 4096  # trees per call of a jitted law or sampler (fixed shapes: on
 TREE_NODES = 16  # per function); trees are padded with invalid slots to a multiple of this
 
 
-def _tree_inputs(tokens, parent, target, reported, target_parent, dtype):
+def dynamic_tree_valid(tokens, widths, draft_table, select=None) -> np.ndarray:
+    """bool [T, N]: which nodes of full trees of branching ``widths`` (drawn without
+    replacement, tokens [T, N]) a dynamic sampled tree keeps: level by level, the rule
+    ``select`` (default :func:`specjax.tree.select_level`, the proposers' rule) applied
+    to the kept nodes' candidates with the draft law ``draft_table`` (a node of level l
+    draws ``widths[l]`` candidates; the best ``widths[l]`` of the level stay). A node
+    the rule drops is an invalid slot: the verifier skips it, so the audit checks the
+    law of the tree the proposer would have built."""
+    select = _tree.select_level if select is None else select
+    table = normalize_table(draft_table)
+    v = table.shape[1]
+    widths = tuple(int(x) for x in widths)
+    parent, _ = _tree.full_tree_shape(widths)
+    rows = tree_context_rows(tokens, parent, v)  # [T, N+1]
+    t, n = tokens.shape
+    valid = np.zeros((t, n), bool)
+    f_ctx = np.zeros(1, np.int64)  # contexts of the previous level's nodes (0: the root)
+    f_score, f_ok = np.zeros((t, 1)), np.ones((t, 1), bool)
+    start = 0
+    for m in widths:
+        kids = start + np.arange(len(f_ctx) * m).reshape(len(f_ctx), m)  # BFS: parent-major
+        lq = table[rows[:, f_ctx][:, :, None], tokens[:, kids]]  # [T, n_f, m]
+        with jax.enable_x64(True):
+            sel, keep, score = map(np.asarray, _select_runner(select, m)(
+                f_score, f_ok, lq, np.ones(lq.shape, bool)))
+        r = np.arange(t)[:, None]
+        level_ok = np.zeros((t, kids.size), bool)
+        level_score = np.full((t, kids.size), -np.inf)
+        level_ok[r, sel] = keep
+        level_score[r, sel] = np.where(keep, score, -np.inf)
+        valid[:, start:start + kids.size] = level_ok
+        f_ctx, f_score, f_ok = kids.reshape(-1) + 1, level_score, level_ok
+        start += kids.size
+    return valid
+
+
+@functools.lru_cache(maxsize=None)
+def _select_runner(select, m):
+    return jax.jit(jax.vmap(lambda f, o, q, c: select(f, o, q, c, m)))
+
+
+def _tree_inputs(tokens, parent, target, reported, target_parent, dtype, valid=None):
     """The verifier's inputs for trees [T, N] as numpy arrays ``(tree, p_root, p_node)``,
-    padded with invalid nodes to a multiple of ``TREE_NODES`` (root rows repeated)."""
+    padded with invalid nodes to a multiple of ``TREE_NODES`` (root rows repeated);
+    ``valid`` bool [T, N] (default: every node)."""
     v = target.shape[1]
     parent = np.asarray(parent, np.int32)
     tp = parent if target_parent is None else np.asarray(target_parent, np.int32)
@@ -620,9 +663,11 @@ def _tree_inputs(tokens, parent, target, reported, target_parent, dtype):
     def tile(row, fill):
         return np.tile(np.concatenate([row, np.full(pad, fill, row.dtype)]), (t, 1))
 
+    valid = np.ones((t, n), bool) if valid is None else np.asarray(valid, bool)
     tree = _tree.DraftTree(
         np.concatenate([tokens, np.zeros((t, pad), tokens.dtype)], axis=1).astype(np.int32),
-        tile(parent, _tree.ROOT), tile(depth, 1), tile(np.ones(n, bool), False),
+        tile(parent, _tree.ROOT), tile(depth, 1),
+        np.concatenate([valid, np.zeros((t, pad), bool)], axis=1),
         q[:, 0], q[:, 1:])
     return tree, p[:, 0], p[:, 1:]
 
@@ -659,22 +704,41 @@ def _continuations(target_table, v: int, length: int) -> list:
     return out
 
 
+def _dynamic(parent, draw, widths, select):
+    """``parent`` of the full tree a dynamic tree of ``widths`` is kept from (checked)."""
+    if widths is None:
+        if select is not None:
+            raise ValueError("select needs widths (a dynamic sampled tree)")
+        return np.asarray(parent, np.int32)
+    if draw != "without_replacement":
+        raise ValueError(f"a dynamic tree (widths) is drawn without replacement, not {draw!r}")
+    full, _ = _tree.full_tree_shape(tuple(widths))
+    if parent is not None and not np.array_equal(np.asarray(parent), full):
+        raise ValueError("with widths, parent must be None or the full tree of branching widths")
+    return full
+
+
 def exact_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent,
-                   draw: str = "iid", target_parent=None, draft_sample_table=None):
+                   draw: str = "iid", target_parent=None, draft_sample_table=None,
+                   widths=None, select=None):
     """Law of the first D+1 tokens (one tree round, then the target) by exact enumeration
     of every tree of positive probability (:func:`enumerate_trees`); ``law_fn(tree,
     p_root, p_node) -> TreeLaw`` is evaluated in float64 on float64-renormalized tables.
+    ``widths``: a DYNAMIC sampled tree (``parent`` None): every full tree of branching
+    ``widths`` is enumerated and the nodes the rule ``select`` drops are invalid
+    (:func:`dynamic_tree_valid`).
     Returns ``(law float64[V**(D+1)], expected tokens emitted by the round)``."""
     target = normalize_table(target_table)
     reported = normalize_table(draft_table)
     sampled = reported if draft_sample_table is None else normalize_table(draft_sample_table)
     v = target.shape[1]
-    parent = np.asarray(parent, np.int32)
+    parent = _dynamic(parent, draw, widths, select)
     depth = _tree.shape_depths(parent)
     length = int(depth.max()) + 1
     tokens, prob = enumerate_trees(sampled, parent, draw)
+    valid = None if widths is None else dynamic_tree_valid(tokens, widths, sampled, select)
     with jax.enable_x64(True):
-        inputs = _tree_inputs(tokens, parent, target, reported, target_parent, np.float64)
+        inputs = _tree_inputs(tokens, parent, target, reported, target_parent, np.float64, valid)
         law = _chunked(_tree_law_runner(law_fn), inputs)
         n = len(parent)
         stop = np.asarray(law.stop_probs, np.float64)[:, :n + 1]
@@ -708,18 +772,21 @@ def _tree_runner(verify_fn):
 
 def tree_monte_carlo_counts(verify_fn: TreeVerifyFn, seed: int, target_table, draft_table,
                             parent, draw: str = "iid", num_rows: int = 100_000,
-                            target_parent=None, draft_sample_table=None):
+                            target_parent=None, draft_sample_table=None, widths=None,
+                            select=None):
     """Run the tree sampler ``verify_fn(key, tree, p_root, p_node)`` on ``num_rows``
     independent rows (jit + vmap; trees and the continuation drawn on the host with numpy
-    ``seed``; float32 inputs; keys ``round_key(row_keys(seed, i), 0)``).
+    ``seed``; float32 inputs; keys ``round_key(row_keys(seed, i), 0)``; ``widths`` /
+    ``select``: a dynamic tree, as in :func:`exact_tree_law`).
     Returns ``(counts int64[V**(D+1)], mean tokens emitted by the round, error count)``."""
     target32, reported32, target, sampled = _mc_tables(target_table, draft_table, draft_sample_table)
     v = target.shape[1]
-    parent = np.asarray(parent, np.int32)
+    parent = _dynamic(parent, draw, widths, select)
     length = int(_tree.shape_depths(parent).max()) + 1
     rng = np.random.default_rng(seed)
     tokens = sample_trees(rng, sampled, parent, draw, num_rows)
-    inputs = _tree_inputs(tokens, parent, target32, reported32, target_parent, np.float32)
+    valid = None if widths is None else dynamic_tree_valid(tokens, widths, sampled, select)
+    inputs = _tree_inputs(tokens, parent, target32, reported32, target_parent, np.float32, valid)
     round_keys = jax.random.key_data(jax.vmap(lambda r: _keys.round_key(r, 0))(
         _keys.row_keys(seed, np.arange(num_rows))))
     res = _chunked(_tree_runner(verify_fn), (np.asarray(round_keys),) + inputs,
@@ -740,7 +807,7 @@ def audit_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent, draw: s
     """Exact check of a tree verifier: max |law - target joint law| < tol."""
     law, expected = exact_tree_law(law_fn, target_table, draft_table, parent, draw, **kwargs)
     v = np.asarray(target_table).shape[1]
-    length = int(_tree.shape_depths(parent).max()) + 1
+    length = round(math.log(law.size, v))
     err = float(np.max(np.abs(law - target_joint_law(target_table, v, length))))
     return LawAudit(err, expected, bool(err < tol))
 
@@ -752,6 +819,6 @@ def audit_tree_monte_carlo(verify_fn: TreeVerifyFn, seed: int, target_table, dra
     counts, mean_tokens, errors = tree_monte_carlo_counts(
         verify_fn, seed, target_table, draft_table, parent, draw, num_rows, **kwargs)
     v = np.asarray(target_table).shape[1]
-    length = int(_tree.shape_depths(parent).max()) + 1
+    length = round(math.log(counts.size, v))
     chi = chi_square_test(counts, target_joint_law(target_table, v, length))
     return MonteCarloAudit(chi, mean_tokens, errors, bool(chi.p_value >= alpha and errors == 0))

@@ -41,9 +41,11 @@ that context, as :mod:`specjax.verify` does.
 
 Contract on the proposer for ``"iid"`` / ``"without_replacement"``: given its ancestors'
 tokens, a node's children are drawn (i.i.d. / without replacement, in sibling order) from
-the stored q, and the tree's shape (which slots are valid, their parents) does not
-depend on the tokens of a node's children or their descendants.  A shape chosen by
-looking at the drawn tokens (keep the best-scoring) needs ``"point_mass"``.
+the stored q, and whether a node's k-th child exists may depend on anything but that
+child's token, its later siblings' tokens and their descendants (a stopping rule: the
+decision to draw the k-th is made before it is seen; a full tree of fixed shape is the
+simplest case, :func:`select_level` a dynamic one).  A shape chosen by looking at the
+drawn tokens (keep the best-scoring) needs ``"point_mass"``.
 
 Keys (the chain's roles): node i's acceptance uniform uses
 ``position_key(role_key(key, ACCEPT), i)``; the final draw uses ``RESIDUAL`` (children
@@ -74,7 +76,7 @@ __all__ = [
     "tree_step", "tree_prepare", "tree_validate", "descend", "tree_finish", "assemble",
     "law_scan", "tree_law",
     "tree_verify", "iid_tree_verify", "point_mass_tree_verify", "point_mass_target_verify",
-    "without_replacement_tree_verify", "greedy_tree_verify", "contexts",
+    "without_replacement_tree_verify", "greedy_tree_verify", "contexts", "select_level",
 ]
 
 ROOT = -1
@@ -250,6 +252,47 @@ def tree_step(candidates: str) -> Callable:
 def _normalize(lw):
     m = logsumexp(lw)[..., None]
     return jnp.where(m > -jnp.inf, lw - m, lw)
+
+
+# --------------------------------------------------------------------------------------
+# Dynamic sampled trees: which drawn candidates join (a stopping rule)
+# --------------------------------------------------------------------------------------
+
+def select_level(f_score, f_ok, cand_lq, cand_ok, m: int):
+    """Which drawn candidates of one level join a dynamic sampled tree, for ONE row.
+
+    ``f_score [n]``: log score of each frontier node (the product of the draft
+    probabilities along its path; 0 at the root), ``f_ok [n]``: the node exists;
+    ``cand_lq [n, b]``: log q (the node's draft law) of its ``b`` candidates in draw
+    order (without replacement), ``cand_ok [n, b]``: the candidate was drawn. A candidate
+    is ranked by ``f_score + log(1 - sum of q over its EARLIER siblings)``: the draft's
+    chance of reaching the node times the mass its earlier siblings leave uncovered. The
+    best ``m`` (ties: the lower flat index, so an earlier sibling first) join.
+
+    Why this is exact: a candidate's rank reads its earlier siblings and other nodes'
+    candidates, never its own token or a later sibling's, and ranks fall along a sibling
+    list (each sibling removes mass), so the kept children of a node are its first j
+    draws where the decision to keep the j-th is made before it is looked at (a
+    stopping rule). Each kept child is then still a without-replacement draw from q given
+    the earlier ones, which is all ``candidates="without_replacement"`` verification
+    needs (this module). Ranking by a candidate's own q (EAGLE-2's rule, exact
+    only for point masses) is not, and the audit rejects it.
+
+    Returns ``(sel int32[m], keep bool[m], child_score [m])``: the kept candidates' flat
+    indices ``i * b + j`` in increasing order (siblings stay in draw order), whether each
+    of the m slots holds a node, and each new node's score ``f_score + log q``."""
+    n, b = cand_lq.shape
+    q = jnp.exp(cand_lq)
+    before = jnp.cumsum(q, axis=-1) - q  # mass of the earlier siblings
+    rank = f_score[:, None] + jnp.log1p(-jnp.minimum(before, 1.0))
+    rank = jnp.where(f_ok[:, None] & cand_ok, rank, -jnp.inf).reshape(n * b)
+    m = min(m, n * b)
+    top, idx = jax.lax.top_k(rank, m)
+    order = jnp.argsort(idx)
+    sel = idx[order].astype(jnp.int32)
+    keep = top[order] > -jnp.inf
+    child = f_score[sel // b] + cand_lq.reshape(n * b)[sel]
+    return sel, keep, jnp.where(keep, child, -jnp.inf)
 
 
 # --------------------------------------------------------------------------------------

@@ -223,3 +223,40 @@ TREE_MUTANTS = {
     "no_residual_update_between_siblings": lambda c: tree_mutant(c, _no_sibling_update_step),
     "correction_from_p": lambda c: tree_mutant(c, final_from_p=True),
 }
+
+
+def _select_by(rank_fn):
+    """A dynamic-tree selection rule ranking candidates by ``rank_fn(f_score, q [n, b])``
+    (otherwise :func:`specjax.tree.select_level`)."""
+    import jax
+    import jax.numpy as jnp
+
+    def select(f_score, f_ok, cand_lq, cand_ok, m):
+        n, b = cand_lq.shape
+        rank = jnp.where(f_ok[:, None] & cand_ok, rank_fn(f_score, cand_lq), -jnp.inf).reshape(n * b)
+        top, idx = jax.lax.top_k(rank, min(m, n * b))
+        order = jnp.argsort(idx)
+        sel = idx[order].astype(jnp.int32)
+        keep = top[order] > -jnp.inf
+        child = f_score[sel // b] + cand_lq.reshape(n * b)[sel]
+        return sel, keep, jnp.where(keep, child, -jnp.inf)
+
+    return select
+
+
+def _rank_own_q(f_score, lq):  # EAGLE-2's rule on sampled candidates: reads the candidate itself
+    return f_score[:, None] + lq
+
+
+def _rank_mass_after(f_score, lq):  # mass left AFTER the candidate: reads its own q
+    import jax.numpy as jnp
+
+    left = 1.0 - jnp.minimum(jnp.cumsum(jnp.exp(lq), axis=-1), 1.0)
+    return f_score[:, None] + jnp.log(jnp.maximum(left, 1e-30))
+
+
+# dynamic sampled trees: rules whose choice of a candidate depends on that candidate
+SELECT_MUTANTS = {
+    "rank_by_own_q": _select_by(_rank_own_q),
+    "rank_by_mass_left_after_it": _select_by(_rank_mass_after),
+}

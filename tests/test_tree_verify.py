@@ -12,7 +12,7 @@ from specjax import tree as T
 from specjax import verify as V
 from specjax.sampling import SamplingConfig, sample
 
-from tests._mutants import TREE_MUTANTS, wrong_mask_parent
+from tests._mutants import SELECT_MUTANTS, TREE_MUTANTS, wrong_mask_parent
 
 LAWS = {c: functools.partial(T.tree_law, candidates=c) for c in T.CANDIDATES}
 SAMPLERS = {"iid": T.iid_tree_verify, "without_replacement": T.without_replacement_tree_verify,
@@ -185,6 +185,96 @@ def test_without_replacement_draws_verified_as_iid_fail():
     target, draft, parent = _case("v4_b2_d2")
     exact = audit.audit_tree_law(LAWS["iid"], target, draft, parent, "without_replacement")
     assert not exact.passed and exact.max_abs_error > 1e-3, exact
+
+
+# --- dynamic sampled trees: shaped as they grow (a stopping rule) -----------------------------
+
+DYNAMIC = {  # name: (V, widths, target settings, draft settings)
+    "v4_w2x2": (4, (2, 2), SamplingConfig(), SamplingConfig()),
+    "v4_w2x1x1": (4, (2, 1, 1), SamplingConfig(temperature=0.7), SamplingConfig(top_k=3)),
+}
+
+
+def _dynamic_case(name):
+    v, widths, tcfg, dcfg = DYNAMIC[name]
+    target, draft = _tables(v, len(widths), tcfg, dcfg)
+    return target, draft, widths
+
+
+def test_select_level_keeps_a_prefix_decided_before_each_candidate():
+    """The kept children of a node are its first j draws, and whether the j-th is kept does
+    not change when its own q or a later sibling's changes (it does for the mutants)."""
+    rng = np.random.default_rng(0)
+    n, b, m = 3, 4, 5
+
+    def kept(select, f, lq):
+        sel, keep, _ = select(jnp.asarray(f), jnp.ones(n, bool), jnp.asarray(lq), jnp.ones((n, b), bool), m)
+        out = np.zeros(n * b, bool)
+        out[np.asarray(sel)[np.asarray(keep)]] = True
+        return out.reshape(n, b)
+
+    def lq_rows():
+        q = rng.dirichlet(np.ones(8), size=n)[:, :b]
+        return np.log(q)
+
+    moved = {name: 0 for name in ["rule"] + list(SELECT_MUTANTS)}
+    for _ in range(200):
+        f = np.log(rng.random(n))
+        lq = lq_rows()
+        for name, select in [("rule", T.select_level)] + list(SELECT_MUTANTS.items()):
+            k = kept(select, f, lq)
+            if name == "rule":
+                assert k.sum() == m and all(np.all(np.diff(row.astype(int)) <= 0) for row in k)
+            i, j = rng.integers(n), rng.integers(b)
+            other = lq.copy()
+            other[i, j:] = np.log(rng.dirichlet(np.ones(8))[:b - j] * np.exp(lq[i, j:]).sum())
+            moved[name] += kept(select, f, other)[i, j] != k[i, j]
+    assert moved["rule"] == 0
+    assert all(moved[name] > 0 for name in SELECT_MUTANTS), moved
+
+
+@pytest.mark.parametrize("case", list(DYNAMIC))
+def test_dynamic_tree_exact_law(case):
+    target, draft, widths = _dynamic_case(case)
+    res = audit.audit_tree_law(LAWS["without_replacement"], target, draft, None,
+                               "without_replacement", widths=widths)
+    full = audit.audit_tree_law(LAWS["without_replacement"], target, draft,
+                                T.full_tree_shape(widths)[0], "without_replacement")
+    print(f"\nexact dynamic {case}: err={res.max_abs_error:.1e} E={res.expected_tokens:.4f} "
+          f"(full tree {full.expected_tokens:.4f})")
+    assert res.passed, res
+    # the rule dropped nodes (a smaller tree than the full one it was drawn from)
+    assert 1.0 < res.expected_tokens < full.expected_tokens - 0.05
+
+
+@pytest.mark.parametrize("mutant", list(SELECT_MUTANTS))
+def test_dynamic_tree_mutants_fail(mutant):
+    """A rule that looks at the candidate it decides on is not exact: the audit rejects it
+    exactly (both cases) and by Monte Carlo (the first)."""
+    for case in DYNAMIC:
+        target, draft, widths = _dynamic_case(case)
+        exact = audit.audit_tree_law(LAWS["without_replacement"], target, draft, None,
+                                     "without_replacement", widths=widths, select=SELECT_MUTANTS[mutant])
+        print(f"\nmutant {mutant} {case}: exact err={exact.max_abs_error:.2e}")
+        assert not exact.passed and exact.max_abs_error > 1e-3
+    target, draft, widths = _dynamic_case("v4_w2x2")
+    mc = audit.audit_tree_monte_carlo(T.without_replacement_tree_verify, 99, target, draft, None,
+                                      "without_replacement", MUTANT_ROWS, widths=widths,
+                                      select=SELECT_MUTANTS[mutant])
+    print(f"MC p={mc.chi2.p_value:.2e}")
+    assert not mc.passed and mc.chi2.p_value < 1e-6
+
+
+def test_dynamic_tree_monte_carlo():
+    target, draft, widths = _dynamic_case("v4_w2x2")
+    mc = audit.audit_tree_monte_carlo(T.without_replacement_tree_verify, 1234, target, draft, None,
+                                      "without_replacement", MC_ROWS, widths=widths)
+    _, expected = audit.exact_tree_law(LAWS["without_replacement"], target, draft, None,
+                                       "without_replacement", widths=widths)
+    print(f"\nMC dynamic: chi2={mc.chi2.statistic:.1f} p={mc.chi2.p_value:.3f} "
+          f"tokens/round={mc.mean_tokens:.4f} (exact {expected:.4f})")
+    assert mc.passed and mc.chi2.impossible == 0, mc
+    assert abs(mc.mean_tokens - expected) < 5 * np.sqrt(9 / 4 / MC_ROWS)
 
 
 # --- a chain written as a tree is today's token verification --------------------------------
