@@ -2,7 +2,7 @@
 
     python scripts/bench_tree_shapes.py [--prompts-file F] [--rows 8] [--max-new-tokens 64]
         [--seeds 4] [--chain 3] [--topk 4/3/16,8/5/32] [--sampled 3x2x1,4x2x2x1]
-        [--out out/tree_shapes.json]
+        [--dynamic 3x4x4x3] [--out out/tree_shapes.json]
 
 How many tokens a round emits is a property of the draft and the tree, not of the hardware:
 this measures it without timing, so that a CPU can say which tree a device should verify
@@ -14,7 +14,9 @@ verification:
 * ``--topk a/d/n``: the head's top-``a`` tree of depth ``d`` and ``n`` nodes (EAGLE-2
   growth), greedy rounds (T = 0; point-mass candidates);
 * ``--sampled b1xb2x...``: a full tree of that branching drawn from the head's law without
-  replacement (T = 1).
+  replacement (T = 1);
+* ``--dynamic w1xw2x...``: a sampled tree with ``w_l`` nodes at depth l, shaped as it
+  grows (``widths``, :func:`specjax.drafts.trees.grow_dynamic_tree`; T = 1).
 
 Sampled rounds are random: T = 1 runs use ``--seeds`` seeds and report the pooled rate
 (tokens over rounds of all rows and seeds). Nodes per tree are printed beside each shape:
@@ -54,11 +56,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--chain", type=int, default=3, help="the chain's K (0: none)")
     ap.add_argument("--topk", default="4/3/16,8/5/32,8/6/48,10/6/60", help="top-k trees a/d/n (T = 0)")
     ap.add_argument("--sampled", default="2x1x1,3x2x1,4x2x2x1,6x3x2x1", help="sampled trees' branching (T = 1)")
+    ap.add_argument("--dynamic", default="", help="dynamic sampled trees' widths per level (T = 1)")
     ap.add_argument("--draft", default="default")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     a = ap.parse_args(argv)
     try:
-        topk, sampled = _shapes(a.topk, "/"), _shapes(a.sampled, "x")
+        topk, sampled, dynamic = _shapes(a.topk, "/"), _shapes(a.sampled, "x"), _shapes(a.dynamic, "x")
         if any(len(s) != 3 for s in topk):
             raise ValueError("--topk shapes are a/d/n")
         if a.rows < 1 or a.max_new_tokens < 2 or a.seeds < 1 or a.chain < 0:
@@ -104,6 +107,9 @@ def main(argv=None) -> dict:
     for br in sampled:
         prop = make_tree_proposer(draft, 2, len(br), 2, "without_replacement", br)
         record("sampled " + "x".join(map(str, br)), prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
+    for wd in dynamic:
+        prop = make_tree_proposer(draft, 2, len(wd), 2, "without_replacement", widths=wd)
+        record("dynamic " + "x".join(map(str, wd)), prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
 
     res = dict(prompts_file=a.prompts_file, rows=len(ids), max_new_tokens=a.max_new_tokens, seeds=a.seeds,
                draft=str(ddesc), results=rows, command=" ".join(["python", "scripts/bench_tree_shapes.py"] + (argv or sys.argv[1:])))

@@ -171,8 +171,10 @@ class TreeSpec:
     With an EAGLE head: rounds in which every row is greedy grow the top-``topk`` tree of
     ``depth`` levels and ``nodes`` nodes (EAGLE-2 style); other rounds draw a full tree of
     ``branching`` (children per node, one factor per level) from the head's law, with
-    ``candidates`` ``"without_replacement"`` (default) or ``"iid"``; ``"point_mass"`` grows
-    the top-k tree in every round. A draft model grows top-k trees; prompt lookup's chain
+    ``candidates`` ``"without_replacement"`` (default) or ``"iid"``, or, with ``widths``
+    (node slots per level, e.g. ``(3, 4, 4, 3)``), a tree shaped as it grows
+    (:func:`specjax.drafts.trees.grow_dynamic_tree`; without replacement only);
+    ``"point_mass"`` grows the top-k tree in every round. A draft model grows top-k trees; prompt lookup's chain
     of ``depth`` tokens is verified as a chain tree. The defaults are sized for the
     2-core CPU, where a verify pass of more than ~7 tokens costs compute
     (BENCHMARKS.md, "Draft trees")."""
@@ -182,15 +184,18 @@ class TreeSpec:
     nodes: int = 6
     branching: tuple = (2, 1, 1)
     candidates: str = "without_replacement"
+    widths: tuple = ()
 
     def __post_init__(self):
         from specjax.drafts.trees import check_tree_settings
 
-        check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates)
+        check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates,
+                            self.widths)
 
     @classmethod
     def parse(cls, text: str) -> "TreeSpec":
-        """``"topk=3,depth=4,nodes=8,branching=2x1x1,candidates=iid"`` (any subset of the
+        """``"topk=3,depth=4,nodes=8,branching=2x1x1,candidates=iid"`` or ``"widths=3x4x4x3"``
+        (any subset of the
         fields, the rest default) -> TreeSpec; ValueError with a one-line message."""
         kw: dict = {}
         for part in [x.strip() for x in str(text).split(",") if x.strip()]:
@@ -198,13 +203,13 @@ class TreeSpec:
             key = key.strip()
             if not sep or key not in {f.name for f in dataclasses.fields(cls)}:
                 raise ValueError(f"tree spec {text!r}: expected key=value with keys topk, depth, "
-                                 "nodes, branching (e.g. 2x1x1), candidates")
+                                 "nodes, branching (e.g. 2x1x1), candidates, widths (e.g. 3x4x4x3)")
             if key in kw:
                 raise ValueError(f"tree spec {text!r}: {key} given twice")
             try:
                 if key == "candidates":
                     kw[key] = val.strip()
-                elif key == "branching":
+                elif key in ("branching", "widths"):
                     kw[key] = tuple(int(x) for x in val.strip().split("x"))
                 else:
                     kw[key] = int(val)
@@ -220,11 +225,13 @@ class TreeSpec:
         from specjax.drafts.trees import EagleTreeProposer
 
         return EagleTreeProposer(model=None, topk=self.topk, depth=self.depth, nodes=self.nodes,
-                                 candidates=self.candidates, branching=self.branching).k
+                                 candidates=self.candidates, branching=self.branching,
+                                 widths=self.widths).k
 
     def describe(self) -> dict:
         return dict(topk=self.topk, depth=self.depth, nodes=self.nodes,
-                    branching=list(self.branching), candidates=self.candidates)
+                    branching=list(self.branching), candidates=self.candidates,
+                    widths=list(self.widths))
 
     def proposer(self, draft, vocab_size: int):
         """The tree proposer for a draft (what :func:`resolve_draft` returns)."""
@@ -233,7 +240,7 @@ class TreeSpec:
 
         if isinstance(draft, EagleModel):
             return make_tree_proposer(draft, self.topk, self.depth, self.nodes, self.candidates,
-                                      self.branching)
+                                      self.branching, self.widths)
         if getattr(draft, "supports_tree", False):
             return DraftModelTreeProposer(model=draft, topk=self.topk, depth=self.depth, nodes=self.nodes)
         return make_proposer(draft, self.depth, vocab_size)  # verified as a chain tree

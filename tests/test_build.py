@@ -105,6 +105,8 @@ def test_importing_the_library_starts_no_jax_backend():
     ("candidates=random", "candidates must be"),
     ("nodes=0", "nodes must be an integer >= 1"),
     ("depth=2,depth=3", "depth given twice"),
+    ("widths=3x0", "widths must be integers >= 1"),
+    ("widths=3x4,candidates=iid", "widths .* need candidates=without_replacement"),
 ])
 def test_tree_spec_rejects_bad_text(text, message):
     with pytest.raises(ValueError, match=message):
@@ -126,6 +128,10 @@ def test_tree_spec_builds_each_drafts_tree(models):
     p = eng.proposer
     assert isinstance(p, EagleTreeProposer) and (p.topk, p.depth, p.nodes) == (2, 4, 5)
     assert p.branching == (3, 1) and p.candidates == "iid" and p.tree_depth == 4
+    dyn = build.TreeSpec.parse("topk=2,depth=2,nodes=3,widths=3x4x4x2")
+    assert dyn.widths == (3, 4, 4, 2) and dyn.describe()["widths"] == [3, 4, 4, 2]
+    p = build.make_engine(target, em, method="tree", tree=dyn).proposer
+    assert p.dynamic and p.tree_depth == 4 and p.tree_nodes == 13 and p.k == dyn.max_slots == 13
     assert isinstance(build.make_engine(target, draft, method="tree").proposer, DraftModelTreeProposer)
     lookup = build.make_engine(target, "lookup", method="tree", tree=spec).proposer
     assert isinstance(lookup, ChainTreeProposer) and lookup.tree_depth == 4

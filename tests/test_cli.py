@@ -46,6 +46,7 @@ from specjax import build, cli
     (["generate", "hi", "--allow", "2", "--min-new-tokens", "1"], "only stop tokens are allowed"),
     (["generate", "hi", "--method", "tree", "--k", "3"], "--k does not apply to --method tree"),
     (["generate", "hi", "--method", "tree", "--tree", "branching=2x0"], "--tree: tree branching must be"),
+    (["generate", "hi", "--method", "tree", "--tree", "widths=2x2,candidates=iid"], "--tree: tree widths (a dynamic sampled tree) need candidates=without_replacement"),
     (["generate", "hi", "--method", "tree", "--tree", "fanout=2"], "--tree: tree spec 'fanout=2'"),
     (["generate", "hi", "--tree", "depth=2"], "--tree needs --method tree"),
 ])

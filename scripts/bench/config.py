@@ -60,11 +60,13 @@ class BenchConfig:
     # method "tree" (build.TreeSpec; K is the depth): greedy rounds grow the top-k tree of
     # tree_topk children per expanded node and tree_nodes nodes, sampled rounds draw a full
     # tree of tree_branching children per level (tree_candidates: how; point_mass: the
-    # top-k tree in every round)
+    # top-k tree in every round), or with tree_widths a tree of that many nodes per level
+    # shaped as it grows (without replacement)
     tree_topk: int = 3
     tree_nodes: int = 6
     tree_branching: tuple = (2, 1, 1)
     tree_candidates: str = "without_replacement"
+    tree_widths: tuple = ()
     batch_sizes: tuple = (1, 4, 16)
     ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     ks_by_batch: tuple = ()  # ((batch, (k, ...)), ...): K grid per batch size (default: ks)
@@ -95,7 +97,7 @@ class BenchConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         for k, typ in (("temperatures", float), ("methods", str), ("batch_sizes", int), ("ks", int),
                        ("peer_dtypes", str), ("peer_ks", int), ("peer_schedules", str),
-                       ("peer_temperatures", float), ("tree_branching", int)):
+                       ("peer_temperatures", float), ("tree_branching", int), ("tree_widths", int)):
             set_(k, _tuple(getattr(self, k), typ) or ())
         set_("ks_by_batch", _per_batch(self.ks_by_batch))
         set_("rows_by_batch", _per_batch(self.rows_by_batch))

@@ -317,7 +317,8 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
             for mi, method in enumerate(cfg.methods):
                 if method == "tree":
                     prop = make_tree_proposer(runner.draft, cfg.tree_topk, k, cfg.tree_nodes,
-                                              cfg.tree_candidates, tuple(cfg.tree_branching))
+                                              cfg.tree_candidates, tuple(cfg.tree_branching),
+                                              tuple(cfg.tree_widths))
                 else:
                     prop = make_proposer(runner.draft, k, target.vocab_size)
                 eng = SpeculativeEngine(target, prop, method)

@@ -45,7 +45,7 @@ from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_pro
 from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, position_key, role_key
 from specjax.sampling import gumbel, sample
-from specjax.tree import DraftTree, full_tree_shape
+from specjax.tree import DraftTree, full_tree_shape, select_level
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -214,6 +214,78 @@ def grow_sampled_tree(root_q, expand: Callable, draw: Callable, carry, *, branch
     return carry, tree
 
 
+def dynamic_shape(widths) -> dict:
+    """Static layout of a dynamic sampled tree of ``widths`` (node slots per level):
+    ``depth`` per slot, per level the slot range ``[start, stop)``, and ``width``: the
+    region slots of the fed levels (all but the last; slot i's region slot is i)."""
+    widths = tuple(int(x) for x in widths)
+    stops = np.cumsum(widths)
+    starts = stops - np.asarray(widths)
+    depth = np.repeat(np.arange(1, len(widths) + 1, dtype=np.int32), widths)
+    levels = [(int(a), int(b)) for a, b in zip(starts, stops)]
+    return dict(depth=depth, levels=levels, width=int(starts[-1]), nodes=int(stops[-1]))
+
+
+def grow_dynamic_tree(root_q, expand: Callable, draw: Callable, carry, *, widths,
+                      select: Callable = select_level):
+    """Growth with SAMPLED candidates into a tree of ``widths[l]`` node slots at depth
+    ``l + 1``, shaped as it grows (:func:`select_level`): every node of a level draws up
+    to ``widths[l + 1]`` children without replacement from its q, and the best-ranked
+    ``widths[l + 1]`` of all of them form the next level. The same ``draw`` and a similar
+    ``expand`` as :func:`grow_sampled_tree`: ``expand(carry, level, tokens [B, stop],
+    (start, stop), parent_local int32[B, n], attn) -> (carry, q [B, n, V])`` (the
+    parents' indices in the previous level are arrays here; ``attn.mask`` [B, n, W]
+    names each node's ancestors among the region slots = node slots). Nodes are in
+    level order, a level's in (parent, draw) order, so the tree is topological and
+    siblings are tried in the order they were drawn. Returns ``(carry, DraftTree)`` with
+    ``q_root`` and ``q_node`` (leaves: -inf rows)."""
+    lay = dynamic_shape(widths)
+    b, v = root_q.shape
+    w = lay["width"]
+    region_depth = jnp.broadcast_to(jnp.asarray(lay["depth"][:w] - 1, jnp.int32)[None], (b, w))
+    select_b = jax.vmap(select, in_axes=(0, 0, 0, 0, None))
+
+    def candidates(q, level, ctx_idx, m, f_score, f_ok):
+        tok, ok = draw(q, level, ctx_idx, m)  # [B, n, m]
+        lq = jnp.take_along_axis(q, tok, axis=-1)
+        sel, keep, score = select_b(f_score, f_ok, lq, ok, m)
+        return jnp.take_along_axis(tok.reshape(b, -1), sel, axis=1), sel // m, keep, score
+
+    m0 = lay["levels"][0][1]
+    tok, plocal, ok, score = candidates(root_q[:, None], 0, np.zeros((1,), np.int32), m0,
+                                        jnp.zeros((b, 1), jnp.float32), jnp.ones((b, 1), bool))
+    toks, oks, pars, qs = [tok], [ok], [jnp.full((b, m0), -1, jnp.int32)], []
+    anc = jnp.zeros((b, m0, w), bool)
+    for level in range(1, len(lay["levels"])):
+        start, stop = lay["levels"][level - 1]
+        own = jnp.asarray(np.eye(w, dtype=bool)[start:stop])
+        anc = anc | own[None]
+        attn = TreeAttention(depth=jnp.full((b, stop - start), level - 1, jnp.int32),
+                             offset=jnp.full((b,), start, jnp.int32), mask=anc,
+                             region_depth=region_depth)
+        carry, q = expand(carry, level, jnp.concatenate(toks, axis=1), (start, stop), plocal, attn)
+        qs.append(q)
+        m = lay["levels"][level][1] - lay["levels"][level][0]
+        tok, plocal, ok, score = candidates(q, level, np.arange(start, stop, dtype=np.int32) + 1, m,
+                                            score, oks[-1])
+        toks.append(tok)
+        oks.append(ok)
+        pars.append(jnp.where(ok, start + plocal, -1).astype(jnp.int32))
+        anc = jnp.take_along_axis(anc, plocal[:, :, None], axis=1)
+    n_all = lay["nodes"]
+    leaves = n_all - sum(q.shape[1] for q in qs)
+    q_node = jnp.concatenate(qs + [jnp.full((b, leaves, v), -jnp.inf, root_q.dtype)], axis=1)
+    parent = jnp.concatenate(pars, axis=1)
+    valid = jnp.concatenate(oks, axis=1)
+    depth = jnp.broadcast_to(jnp.asarray(lay["depth"])[None], (b, n_all))
+    # an unused slot is a valid-looking child of the root for the structure check: none
+    # is valid, so no verifier reads it
+    tree = DraftTree(tokens=jnp.concatenate(toks, axis=1).astype(jnp.int32),
+                     parent=parent, depth=jnp.where(valid, depth, 1), valid=valid,
+                     q_root=root_q, q_node=q_node)
+    return carry, tree
+
+
 def draw_candidates(candidates: str, draft_keys, token_map=None) -> Callable:
     """The ``draw`` of :func:`grow_sampled_tree`: ``b`` children per context from its q,
     i.i.d. (:func:`specjax.sampling.sample` per child) or without replacement (Gumbel
@@ -261,7 +333,7 @@ def pad_tree(tree: DraftTree, n: int) -> DraftTree:
 
 
 def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str = "point_mass",
-                       branching=None):
+                       branching=None, widths=()):
     """A tree proposer from a draft: an EAGLE head (:class:`EagleTreeProposer`; with
     ``candidates`` ``"iid"`` / ``"without_replacement"``, sampled rounds draw a full tree
     of ``branching``) or a draft model with tree attention (:class:`DraftModelTreeProposer`,
@@ -270,9 +342,11 @@ def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str
 
     if isinstance(draft, EagleModel):
         extra = {} if branching is None else dict(branching=tuple(int(b) for b in branching))
+        if widths:
+            extra["widths"] = tuple(int(x) for x in widths)
         return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes,
                                  candidates=candidates, **extra)
-    if candidates != "point_mass":
+    if candidates != "point_mass" or widths:
         raise ValueError(f"candidates={candidates!r}: only the EAGLE head grows sampled trees "
                          "(a draft model grows top-k trees: point_mass)")
     if getattr(draft, "supports_tree", False):
@@ -288,20 +362,28 @@ def _allowed(ctx: ProposeContext, position):
     return ctx.controls.allowed_at(gen + position)
 
 
-def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_mass") -> None:
+def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_mass",
+                        widths=()) -> None:
     """ValueError unless the tree settings are valid: ``topk``, ``depth``, ``nodes`` ints
-    >= 1, ``branching`` a non-empty tuple of ints >= 1, ``candidates`` one of
-    ``"point_mass"`` and :data:`SAMPLED_CANDIDATES` (the proposers' and
-    :class:`specjax.build.TreeSpec`'s one check)."""
+    >= 1, ``branching`` a non-empty tuple of ints >= 1, ``widths`` an empty tuple or one
+    of ints >= 1 (a dynamic sampled tree: ``candidates="without_replacement"`` only),
+    ``candidates`` one of ``"point_mass"`` and :data:`SAMPLED_CANDIDATES` (the proposers'
+    and :class:`specjax.build.TreeSpec`'s one check)."""
     for name, x in (("topk", topk), ("depth", depth), ("nodes", nodes)):
         if not isinstance(x, int) or isinstance(x, bool) or x < 1:
             raise ValueError(f"tree {name} must be an integer >= 1, got {x!r}")
     if not isinstance(branching, tuple) or not branching or any(
             not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in branching):
         raise ValueError(f"tree branching must be integers >= 1 per level, got {branching!r}")
+    if not isinstance(widths, tuple) or any(
+            not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in widths):
+        raise ValueError(f"tree widths must be integers >= 1 per level, got {widths!r}")
     if candidates not in ("point_mass",) + SAMPLED_CANDIDATES:
         raise ValueError(f"tree candidates must be point_mass, iid or without_replacement, "
                          f"got {candidates!r}")
+    if widths and candidates != "without_replacement":
+        raise ValueError(f"tree widths (a dynamic sampled tree) need candidates="
+                         f"without_replacement, got {candidates!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -344,23 +426,38 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     model: Any = None
     candidates: str = "point_mass"
     branching: tuple = (2, 2, 1)
+    widths: tuple = ()
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
     always_drafts: bool = True
 
     def __post_init__(self):
-        check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates)
+        check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates,
+                            self.widths)
 
     @property
     def sampled(self) -> bool:
         return self.candidates != "point_mass"
 
+    @property
+    def dynamic(self) -> bool:
+        """Sampled rounds grow a tree of ``widths`` (:func:`grow_dynamic_tree`) instead of
+        the full tree of ``branching``."""
+        return self.sampled and bool(self.widths)
+
     def _sampled_layout(self):
+        if self.dynamic:
+            lay = dynamic_shape(self.widths)
+            return dict(lay, parent=np.zeros(lay["nodes"], np.int32))
         return sampled_shape(self.branching)
 
     @property
+    def sampled_depth(self) -> int:
+        return len(self.widths) if self.dynamic else len(self.branching)
+
+    @property
     def tree_depth(self) -> int:
-        return max(self.depth, len(self.branching)) if self.sampled else self.depth
+        return max(self.depth, self.sampled_depth) if self.sampled else self.depth
 
     @property
     def tree_nodes(self) -> int:
@@ -452,10 +549,31 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
 
                     return (cache, hn), ctx.process(m.full_logits(hn), counts, level)
 
+                def expand_dynamic(carry, level, tokens, rng, plocal, attn):
+                    cache, feats = carry
+                    start, stop = rng
+                    cur = tokens[:, start:stop]
+                    if level == 1:
+                        h_in = jnp.broadcast_to(state["h"][:, None], cur.shape + state["h"].shape[-1:])
+                    else:
+                        h_in = jnp.take_along_axis(feats, plocal[:, :, None], axis=1)
+                    hn, cache = m.tree_call(h_in, cur, cache, attn)
+
+                    def counts():  # committed tokens + each node's path (itself included)
+                        anc = attn.mask[:, :, :stop].astype(ctx.counts.dtype)
+                        oh = jax.nn.one_hot(tokens, v, dtype=ctx.counts.dtype)
+                        return ctx.counts[:, None] + jnp.einsum("bij,bjv->biv", anc, oh)
+
+                    return (cache, hn), ctx.process(m.full_logits(hn), counts, level)
+
                 root_q = ctx.process(m.full_logits(state["h"]), ctx.counts, 0)
-                (cache, _), tree = grow_sampled_tree(
-                    root_q, expand, draw_candidates(self.draw_rule(), draft_keys, tm), (cache, None),
-                    branching=self.branching)
+                draw = draw_candidates(self.draw_rule(), draft_keys, tm)
+                if self.dynamic:
+                    (cache, _), tree = grow_dynamic_tree(root_q, expand_dynamic, draw, (cache, None),
+                                                         widths=self.widths)
+                else:
+                    (cache, _), tree = grow_sampled_tree(root_q, expand, draw, (cache, None),
+                                                         branching=self.branching)
                 return cache, pad_tree(tree, n)
 
             greedy = jnp.all(ctx.params.temperature <= 0)
