@@ -72,7 +72,7 @@ from specjax.sampling import logsumexp, sample
 
 __all__ = [
     "ROOT", "CANDIDATES", "DraftTree", "TreeVerifyResult", "TreeLaw",
-    "full_tree_shape", "shape_depths", "make_tree", "chain_tree", "ancestor_mask",
+    "full_tree_shape", "positional_tree_shape", "DEFAULT_SIBLING_ACCEPT", "shape_depths", "make_tree", "chain_tree", "ancestor_mask",
     "tree_step", "tree_prepare", "tree_validate", "descend", "tree_finish", "assemble",
     "law_scan", "tree_law",
     "tree_verify", "iid_tree_verify", "point_mass_tree_verify", "point_mass_target_verify",
@@ -136,6 +136,46 @@ def full_tree_shape(branching, depth: Optional[int] = None):
                 depths.append(d)
         level = nxt
     return np.asarray(parent, np.int32), np.asarray(depths, np.int32)
+
+
+# The chance that the k-th child drawn (without replacement) at a node is on the accepted
+# path, given the node is: a rough fit for the shipped SmolLM2 EAGLE head at T=1 (first
+# child 0.42 from its chain's 1.67 tokens per round at K=3; the rest halve or so). Only
+# the SHAPE of positional_tree_shape's trees depends on it, never the law.
+DEFAULT_SIBLING_ACCEPT = (0.42, 0.14, 0.07, 0.04, 0.025, 0.015, 0.01, 0.007)
+
+
+def positional_tree_shape(nodes: int, accept=DEFAULT_SIBLING_ACCEPT, max_depth: int = 8):
+    """``(parent, depth)`` of the ``nodes``-node tree with the most expected accepted tokens
+    when the k-th child of a node is on the path with probability ``accept[k]`` whatever
+    the context (Sequoia's positional model): a node's value is the product of ``accept``
+    along its path, and the best ``nodes`` values form a tree (a child never beats its
+    parent, a later sibling never beats an earlier one). Level order, siblings in rank order
+    (their draw order), so the tree is topological and a parent comes before its level's
+    later nodes. The shape is fixed: verification is exact for it as for any full tree."""
+    import heapq
+
+    nodes, max_depth = int(nodes), int(max_depth)
+    acc = [float(a) for a in accept]
+    if nodes < 1 or max_depth < 1 or not acc or any(not 0.0 < a <= 1.0 for a in acc):
+        raise ValueError(f"positional_tree_shape: nodes >= 1, max_depth >= 1 and accept in (0, 1], "
+                         f"got {nodes}, {max_depth}, {accept!r}")
+    heap = [(-a, (k,)) for k, a in enumerate(acc)]
+    heapq.heapify(heap)
+    chosen = []
+    while len(chosen) < nodes:
+        if not heap:
+            raise ValueError(f"positional_tree_shape: a tree of {len(acc)} children per node and depth "
+                             f"{max_depth} has only {len(chosen)} nodes, not {nodes}")
+        v, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < max_depth:
+            for k, a in enumerate(acc):
+                heapq.heappush(heap, (v * a, path + (k,)))
+    chosen.sort(key=lambda p: (len(p), p))  # level order; within a level, parent then rank
+    index = {p: i for i, p in enumerate(chosen)}
+    parent = np.asarray([index[p[:-1]] if len(p) > 1 else ROOT for p in chosen], np.int32)
+    return parent, shape_depths(parent)
 
 
 def shape_depths(parent) -> np.ndarray:

@@ -187,6 +187,36 @@ def test_without_replacement_draws_verified_as_iid_fail():
     assert not exact.passed and exact.max_abs_error > 1e-3, exact
 
 
+# --- positional (Sequoia-style) trees: a fixed irregular shape -------------------------------
+
+def test_positional_tree_shape():
+    parent, depth = T.positional_tree_shape(15)
+    np.testing.assert_array_equal(np.bincount(depth)[1:], [5, 5, 4, 1])
+    assert np.all(np.diff(depth) >= 0) and np.all(parent < np.arange(15))
+    # the best 4 nodes when a first child is accepted w.p. 0.6 and a second 0.3: 0.6 (root's
+    # first), 0.36 (its first), 0.3 (root's second), 0.216 (a chain of three first children)
+    p4, d4 = T.positional_tree_shape(4, accept=(0.6, 0.3))
+    np.testing.assert_array_equal(p4, [-1, -1, 0, 2])
+    np.testing.assert_array_equal(d4, [1, 1, 2, 3])
+    assert np.bincount(T.positional_tree_shape(44)[1]).max() == 16
+    assert T.positional_tree_shape(8, max_depth=1)[1].max() == 1
+    for bad in [dict(nodes=0), dict(nodes=3, accept=(0.5, 1.5)), dict(nodes=3, accept=()),
+                dict(nodes=9, max_depth=1)]:
+        with pytest.raises(ValueError, match="positional_tree_shape"):
+            T.positional_tree_shape(**bad)
+
+
+@pytest.mark.parametrize("candidates", ["iid", "without_replacement"])
+def test_positional_tree_exact_law(candidates):
+    """An irregular shape (3 root children with 2, 1, 0 children, one grandchild) is exact
+    for sampled candidates like a full tree."""
+    parent, _ = T.positional_tree_shape(7, accept=(0.6, 0.3, 0.2), max_depth=3)
+    assert len(set(parent.tolist())) > 2 and not np.array_equal(parent, T.full_tree_shape((3, 1))[0])
+    target, draft = _tables(4, 3, SamplingConfig(temperature=0.8), SamplingConfig())
+    res = audit.audit_tree_law(LAWS[candidates], target, draft, parent, DRAW[candidates])
+    assert res.passed, res
+
+
 # --- dynamic sampled trees: shaped as they grow (a stopping rule) -----------------------------
 
 DYNAMIC = {  # name: (V, widths, target settings, draft settings)
