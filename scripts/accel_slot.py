@@ -23,7 +23,8 @@ slot that ends early still returns what was measured):
   64, T 0 and 1, float32) and ``scripts/benchmark.py --config gpu --param-dtype bfloat16``
   (bf16 target, cost ratios);
 * ``trees``: ``scripts/benchmark.py --config trees`` with the chain (K = 3, 5) against
-  large draft trees (top-8, 32 nodes at T = 0; a 4x2x2x1 sampled tree at T = 1), batch 1;
+  large draft trees (top-8, 32 nodes at T = 0; the 44-node positional sampled tree at T = 1),
+  batch 1;
 * ``peer``: ``scripts/bench/hf_gpu_peer.py``, Hugging Face transformers on the same GPU,
   eager and with a static cache + ``torch.compile``, SmolLM2 and the random 8B shape.
 * ``train`` (not in the default list; a slot of its own, issue 18): ``scripts/train_draft.py
@@ -73,7 +74,7 @@ def stages(smoke: bool) -> dict:
                            "--prompts", "1", "--tokens", "8", "--no-hlo", "--out", "{out}/profile"], 300)]
         trees = [("trees", [PY, "scripts/benchmark.py", "--config", "trees", "--num-prompts", "1", "--max-new-tokens",
                             "8", "--repeats", "1", "--ks", "2", "--tree-topk", "2", "--tree-nodes", "3",
-                            "--tree-branching", "2,1", "--no-markdown", "--no-plots", "--out", "{out}/trees"], 300)]
+                            "--tree-sampled-nodes", "3", "--no-markdown", "--no-plots", "--out", "{out}/trees"], 300)]
         train = _train(["configs/train/eagle3_smollm2_cpu.yaml", "--steps", "20"], 600)
         head = _head(["--max-prompts", "2", "--max-new", "8"], ["--prompts", "2", "--max-new-tokens", "8"],
                      ["--num-prompts", "1", "--max-new-tokens", "8", "--ks", "2"], 300)
@@ -103,9 +104,10 @@ def stages(smoke: bool) -> dict:
                                  "--tokens", "32", "--no-hlo", "--out", "{out}/profile"], 120)]
         # issue 17 where a verify pass of tens of tokens costs about one step: the chain
         # against trees sized by their tokens per round (BENCHMARKS.md, "Tree shapes"):
-        # top-8 trees of depth 3 / 5 with 32 nodes (T = 0), 4x2x2x1 sampled (44 nodes, T = 1)
+        # top-8 trees of depth 3 / 5 with 32 nodes (T = 0), the 44-node positional tree
+        # (8x16x13x5x1x1, sampled, T = 1; "Positional trees")
         trees = [("trees", [PY, "scripts/benchmark.py", "--config", "trees", "--ks", "3,5", "--tree-topk", "8",
-                            "--tree-nodes", "32", "--tree-branching", "4,2,2,1", "--no-markdown", "--no-plots",
+                            "--tree-nodes", "32", "--tree-sampled-nodes", "44", "--no-markdown", "--no-plots",
                             "--out", "{out}/trees"], 240)]
         peer = [(f"hf-{m}", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "128", "--models", m,
                              "--compile-limit", "90"], 150) for m in ("smollm2", "llama3-8b-shape")]

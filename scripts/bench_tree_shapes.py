@@ -2,7 +2,7 @@
 
     python scripts/bench_tree_shapes.py [--prompts-file F] [--rows 8] [--max-new-tokens 64]
         [--seeds 4] [--chain 3] [--topk 4/3/16,8/5/32] [--sampled 3x2x1,4x2x2x1]
-        [--dynamic 3x4x4x3] [--out out/tree_shapes.json]
+        [--dynamic 3x4x4x3] [--positional 15,44] [--out out/tree_shapes.json]
 
 How many tokens a round emits is a property of the draft and the tree, not of the hardware:
 this measures it without timing, so that a CPU can say which tree a device should verify
@@ -16,7 +16,9 @@ verification:
 * ``--sampled b1xb2x...``: a full tree of that branching drawn from the head's law without
   replacement (T = 1);
 * ``--dynamic w1xw2x...``: a sampled tree with ``w_l`` nodes at depth l, shaped as it
-  grows (``widths``, :func:`specjax.drafts.trees.grow_dynamic_tree`; T = 1).
+  grows (``widths``, :func:`specjax.drafts.trees.grow_dynamic_tree`; T = 1);
+* ``--positional N,...``: the best N-node tree for drafts accepted by sibling rank
+  (``sampled_nodes``, :func:`specjax.tree.positional_tree_shape`; T = 1).
 
 Sampled rounds are random: T = 1 runs use ``--seeds`` seeds and report the pooled rate
 (tokens over rounds of all rows and seeds). Nodes per tree are printed beside each shape:
@@ -57,11 +59,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--topk", default="4/3/16,8/5/32,8/6/48,10/6/60", help="top-k trees a/d/n (T = 0)")
     ap.add_argument("--sampled", default="2x1x1,3x2x1,4x2x2x1,6x3x2x1", help="sampled trees' branching (T = 1)")
     ap.add_argument("--dynamic", default="", help="dynamic sampled trees' widths per level (T = 1)")
+    ap.add_argument("--positional", default="", help="positional sampled trees' node counts (T = 1)")
     ap.add_argument("--draft", default="default")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     a = ap.parse_args(argv)
     try:
         topk, sampled, dynamic = _shapes(a.topk, "/"), _shapes(a.sampled, "x"), _shapes(a.dynamic, "x")
+        positional = [n for (n,) in _shapes(a.positional, "x")]
         if any(len(s) != 3 for s in topk):
             raise ValueError("--topk shapes are a/d/n")
         if a.rows < 1 or a.max_new_tokens < 2 or a.seeds < 1 or a.chain < 0:
@@ -110,6 +114,11 @@ def main(argv=None) -> dict:
     for wd in dynamic:
         prop = make_tree_proposer(draft, 2, len(wd), 2, "without_replacement", widths=wd)
         record("dynamic " + "x".join(map(str, wd)), prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
+    for n in positional:
+        prop = make_tree_proposer(draft, 2, 1, 2, "without_replacement", sampled_nodes=n)
+        lay = prop._sampled_layout()
+        label = "positional " + "x".join(str(b - a) for a, b in lay["levels"])
+        record(label, prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
 
     res = dict(prompts_file=a.prompts_file, rows=len(ids), max_new_tokens=a.max_new_tokens, seeds=a.seeds,
                draft=str(ddesc), results=rows, command=" ".join(["python", "scripts/bench_tree_shapes.py"] + (argv or sys.argv[1:])))

@@ -82,6 +82,9 @@ def parse_args(argv=None):
                     help="method tree: a sampled round's children per level, e.g. 2,1,1")
     ap.add_argument("--tree-widths", type=_csv(int), default=None,
                     help="method tree: sampled rounds grow a tree of this many nodes per level, e.g. 3,4,4,3")
+    ap.add_argument("--tree-sampled-nodes", type=int, default=None,
+                    help="method tree: sampled rounds fill the best tree of this many nodes for drafts "
+                         "accepted by sibling rank (Sequoia style)")
     ap.add_argument("--tree-candidates", default=None, choices=["without_replacement", "iid", "point_mass"],
                     help="method tree: how sampled rounds draw (point_mass: the top-k tree every round)")
     ap.add_argument("--prompts-file", default=None, help="one prompt per line (default: the config's)")
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
                 out_dir=args.out, temperatures=args.temperatures, methods=args.methods, publish_dir=args.publish_dir)
     if args.ks is not None:
         over.update(ks=args.ks, ks_by_batch=())
-    for name_ in ("tree_topk", "tree_nodes", "tree_branching", "tree_candidates", "tree_widths"):
+    for name_ in ("tree_topk", "tree_nodes", "tree_branching", "tree_candidates", "tree_widths", "tree_sampled_nodes"):
         if getattr(args, name_) is not None:
             over[name_] = getattr(args, name_)
     if args.batch_sizes is not None:

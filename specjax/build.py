@@ -173,7 +173,9 @@ class TreeSpec:
     ``branching`` (children per node, one factor per level) from the head's law, with
     ``candidates`` ``"without_replacement"`` (default) or ``"iid"``, or, with ``widths``
     (node slots per level, e.g. ``(3, 4, 4, 3)``), a tree shaped as it grows
-    (:func:`specjax.drafts.trees.grow_dynamic_tree`; without replacement only);
+    (:func:`specjax.drafts.trees.grow_dynamic_tree`; without replacement only), or with
+    ``sampled_nodes`` the best tree of that many nodes for a positional acceptance model
+    (:func:`specjax.tree.positional_tree_shape`, Sequoia style; fixed shape);
     ``"point_mass"`` grows the top-k tree in every round. A draft model grows top-k trees; prompt lookup's chain
     of ``depth`` tokens is verified as a chain tree. The defaults are sized for the
     2-core CPU, where a verify pass of more than ~7 tokens costs compute
@@ -185,16 +187,17 @@ class TreeSpec:
     branching: tuple = (2, 1, 1)
     candidates: str = "without_replacement"
     widths: tuple = ()
+    sampled_nodes: int = 0
 
     def __post_init__(self):
         from specjax.drafts.trees import check_tree_settings
 
         check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates,
-                            self.widths)
+                            self.widths, self.sampled_nodes)
 
     @classmethod
     def parse(cls, text: str) -> "TreeSpec":
-        """``"topk=3,depth=4,nodes=8,branching=2x1x1,candidates=iid"`` or ``"widths=3x4x4x3"``
+        """``"topk=3,depth=4,nodes=8,branching=2x1x1,candidates=iid"`` or ``"widths=3x4x4x3"`` or ``"sampled_nodes=44"``
         (any subset of the
         fields, the rest default) -> TreeSpec; ValueError with a one-line message."""
         kw: dict = {}
@@ -203,7 +206,7 @@ class TreeSpec:
             key = key.strip()
             if not sep or key not in {f.name for f in dataclasses.fields(cls)}:
                 raise ValueError(f"tree spec {text!r}: expected key=value with keys topk, depth, "
-                                 "nodes, branching (e.g. 2x1x1), candidates, widths (e.g. 3x4x4x3)")
+                                 "nodes, branching (e.g. 2x1x1), candidates, widths (e.g. 3x4x4x3), sampled_nodes")
             if key in kw:
                 raise ValueError(f"tree spec {text!r}: {key} given twice")
             try:
@@ -226,12 +229,12 @@ class TreeSpec:
 
         return EagleTreeProposer(model=None, topk=self.topk, depth=self.depth, nodes=self.nodes,
                                  candidates=self.candidates, branching=self.branching,
-                                 widths=self.widths).k
+                                 widths=self.widths, sampled_nodes=self.sampled_nodes).k
 
     def describe(self) -> dict:
         return dict(topk=self.topk, depth=self.depth, nodes=self.nodes,
                     branching=list(self.branching), candidates=self.candidates,
-                    widths=list(self.widths))
+                    widths=list(self.widths), sampled_nodes=self.sampled_nodes)
 
     def proposer(self, draft, vocab_size: int):
         """The tree proposer for a draft (what :func:`resolve_draft` returns)."""
@@ -240,7 +243,7 @@ class TreeSpec:
 
         if isinstance(draft, EagleModel):
             return make_tree_proposer(draft, self.topk, self.depth, self.nodes, self.candidates,
-                                      self.branching, self.widths)
+                                      self.branching, self.widths, self.sampled_nodes)
         if getattr(draft, "supports_tree", False):
             return DraftModelTreeProposer(model=draft, topk=self.topk, depth=self.depth, nodes=self.nodes)
         return make_proposer(draft, self.depth, vocab_size)  # verified as a chain tree

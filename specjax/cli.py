@@ -47,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --method tree: the tree, e.g. 'topk=3,depth=3,nodes=6,branching=2x1x1,"
                         "candidates=without_replacement' (any subset; these are the defaults): greedy "
                         "rounds grow the draft's top-k tree, sampled rounds draw a full tree of "
-                        "'branching' children per level, or with 'widths=3x4x4x3' a tree of that many "
-                        "nodes per level, shaped as it grows")
+                        "'branching' children per level, or with 'sampled_nodes=N' the best N-node tree "
+                        "for drafts accepted by sibling rank (Sequoia style; e.g. 44), or with "
+                        "'widths=3x4x4x3' a tree of that many nodes per level, shaped as it grows")
     g.add_argument("--draft", default="default",
                    help="'default', 'lookup' (prompt lookup n-grams), 'none' (autoregressive only), "
                         "'layers:N' (the target's first N layers), or a draft file / model path")
@@ -533,6 +534,7 @@ def run_generate(a) -> int:
             t = a.tree_spec
             ks = (f"tree (greedy rounds: top-{t.topk}, depth {t.depth}, {t.nodes} nodes; sampled rounds: "
                   + (f"widths {'x'.join(map(str, t.widths))} {t.candidates})" if t.widths else
+                     f"the {t.sampled_nodes}-node positional tree {t.candidates})" if t.sampled_nodes else
                      f"{'x'.join(map(str, t.branching))} {t.candidates})"))
         elif a.k == "auto":
             ks = f"K=auto (rounds by draft tokens: {', '.join(f'{j}: {r}' for j, r in enumerate(kr) if r)})"

@@ -107,6 +107,9 @@ def test_importing_the_library_starts_no_jax_backend():
     ("depth=2,depth=3", "depth given twice"),
     ("widths=3x0", "widths must be integers >= 1"),
     ("widths=3x4,candidates=iid", "widths .* need candidates=without_replacement"),
+    ("sampled_nodes=-1", "sampled_nodes must be an integer >= 0"),
+    ("sampled_nodes=8,widths=2x2", "sampled_nodes .* needs sampled candidates"),
+    ("sampled_nodes=8,candidates=point_mass", "sampled_nodes .* needs sampled candidates"),
 ])
 def test_tree_spec_rejects_bad_text(text, message):
     with pytest.raises(ValueError, match=message):
@@ -132,6 +135,10 @@ def test_tree_spec_builds_each_drafts_tree(models):
     assert dyn.widths == (3, 4, 4, 2) and dyn.describe()["widths"] == [3, 4, 4, 2]
     p = build.make_engine(target, em, method="tree", tree=dyn).proposer
     assert p.dynamic and p.tree_depth == 4 and p.tree_nodes == 13 and p.k == dyn.max_slots == 13
+    pos = build.TreeSpec.parse("topk=2,depth=2,nodes=3,sampled_nodes=15")
+    p = build.make_engine(target, em, method="tree", tree=pos).proposer
+    assert p.sampled_nodes == 15 and not p.dynamic and p.tree_depth == 4 and p.tree_nodes == 15
+    assert p.k == pos.max_slots and pos.describe()["sampled_nodes"] == 15
     assert isinstance(build.make_engine(target, draft, method="tree").proposer, DraftModelTreeProposer)
     lookup = build.make_engine(target, "lookup", method="tree", tree=spec).proposer
     assert isinstance(lookup, ChainTreeProposer) and lookup.tree_depth == 4

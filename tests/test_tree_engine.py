@@ -2,7 +2,8 @@
 the target's chain law, several rounds with rollback) for a tree grown by a tiny draft
 model and for SAMPLED trees grown by an EAGLE head (i.i.d. candidates from an EAGLE-1 head;
 without-replacement candidates from a reduced-vocabulary EAGLE-3 head, which reads several of
-the target's layers along the accepted path, and from a tree shaped as it grows), mutants the law test rejects (a wrong tree mask,
+the target's layers along the accepted path, from a tree shaped as it grows, and i.i.d. into
+the irregular positional tree), mutants the law test rejects (a wrong tree mask,
 the accepted path's KV left where it was, siblings drawn without replacement but verified
 as i.i.d.), greedy trees equal autoregressive greedy decoding, a chain as a tree draws
 what the chain verifier draws, streaming and batch invariance."""
@@ -63,6 +64,8 @@ def _sampled(target, variant):
                                  branching=(3, 2))
     if variant == "eagle_dynamic_without_replacement":  # shaped as it grows: 2, then 3 of 6 drawn
         return EagleTreeProposer(model=_eagle(target), candidates="without_replacement", widths=(2, 3))
+    if variant == "eagle_positional_iid":  # a fixed irregular shape (3, 3, 1 nodes per level)
+        return EagleTreeProposer(model=_eagle(target), candidates="iid", sampled_nodes=7)
     if variant == "eagle_iid":
         return EagleTreeProposer(model=_eagle(target), candidates="iid", branching=(2, 2))
     return _DrawnWithoutReplacementVerifiedIid(model=_eagle(target), candidates="iid", branching=(3, 1))
@@ -96,7 +99,7 @@ def _hist(eng):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tree", "tree_mutant_causal_mask", "tree_mutant_path_not_moved",
                                      "eagle3_without_replacement_subset", "eagle_iid",
-                                     "eagle_dynamic_without_replacement",
+                                     "eagle_dynamic_without_replacement", "eagle_positional_iid",
                                      "eagle_mutant_without_replacement_as_iid"])
 def test_tree_engine_law(target, draft, law, variant):
     if variant.startswith("eagle"):

@@ -67,6 +67,7 @@ class BenchConfig:
     tree_branching: tuple = (2, 1, 1)
     tree_candidates: str = "without_replacement"
     tree_widths: tuple = ()
+    tree_sampled_nodes: int = 0  # > 0: sampled rounds fill the positional tree of that many nodes
     batch_sizes: tuple = (1, 4, 16)
     ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     ks_by_batch: tuple = ()  # ((batch, (k, ...)), ...): K grid per batch size (default: ks)

@@ -318,7 +318,7 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
                 if method == "tree":
                     prop = make_tree_proposer(runner.draft, cfg.tree_topk, k, cfg.tree_nodes,
                                               cfg.tree_candidates, tuple(cfg.tree_branching),
-                                              tuple(cfg.tree_widths))
+                                              tuple(cfg.tree_widths), cfg.tree_sampled_nodes)
                 else:
                     prop = make_proposer(runner.draft, k, target.vocab_size)
                 eng = SpeculativeEngine(target, prop, method)

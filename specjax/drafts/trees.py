@@ -45,7 +45,7 @@ from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_pro
 from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, position_key, role_key
 from specjax.sampling import gumbel, sample
-from specjax.tree import DraftTree, full_tree_shape, select_level
+from specjax.tree import DraftTree, full_tree_shape, positional_tree_shape, select_level, shape_depths
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -146,37 +146,53 @@ def grow_tree(root_lp, expand: Callable, carry, *, topk: int, depth: int, nodes:
 SAMPLED_CANDIDATES = ("iid", "without_replacement")
 
 
-def sampled_shape(branching) -> dict:
-    """Static layout of a full tree of ``branching`` (one factor per level), breadth-first
-    (:func:`specjax.tree.full_tree_shape`): ``parent``, ``depth``, per level the node range
-    ``[start, stop)``, and ``width``: the region slots of the fed levels (all but the last;
-    node i's region slot is i)."""
-    parent, depth = full_tree_shape(tuple(branching))
+def sampled_shape(shape) -> dict:
+    """Static layout of a sampled tree: ``shape`` is a tuple of branching factors (one per
+    level: the full tree, :func:`specjax.tree.full_tree_shape`) or a parent array in level
+    order, siblings in draw order (e.g. :func:`specjax.tree.positional_tree_shape`).
+    Returns ``parent``, ``depth``, per level the node range ``[start, stop)``, ``rank`` (a
+    node's number of earlier siblings), per level ``draws`` (children drawn per context:
+    the most any of them has), and ``width``: the region slots of the fed levels (all but
+    the last; node i's region slot is i)."""
+    if isinstance(shape, np.ndarray):
+        parent = shape.astype(np.int32)
+        depth = shape_depths(parent)
+        if np.any(np.diff(depth) < 0):
+            raise ValueError("a sampled tree's parent array must be in level order")
+    else:
+        parent, depth = full_tree_shape(tuple(shape))
     levels, start = [], 0
-    for d in range(1, len(branching) + 1):
+    for d in range(1, int(depth.max()) + 1):
         stop = start + int(np.sum(depth == d))
         levels.append((start, stop))
         start = stop
+    rank = np.zeros(len(parent), np.int32)
+    for i in range(len(parent)):
+        rank[i] = int(np.sum(parent[:i] == parent[i]))
+    draws = [int(rank[a:b].max()) + 1 for a, b in levels]
     width = levels[-2][1] if len(levels) > 1 else 0
     anc = np.eye(len(parent), dtype=bool)
     for i, par in enumerate(parent):
         if par >= 0:
             anc[i] |= anc[par]
-    return dict(parent=parent, depth=depth, levels=levels, width=width, ancestors=anc)
+    return dict(parent=parent, depth=depth, levels=levels, width=width, ancestors=anc, rank=rank,
+                draws=draws)
 
 
 def grow_sampled_tree(root_q, expand: Callable, draw: Callable, carry, *, branching):
-    """Growth with SAMPLED candidates into the fixed full tree of ``branching``.
+    """Growth with SAMPLED candidates into a tree of fixed shape: ``branching`` is a
+    tuple (the full tree of those factors) or a parent array (:func:`sampled_shape`).
 
     ``root_q`` [B, V]: the draft law (processed log-probs) of the root's children.
     ``draw(q [B, n, V], level, contexts int[n] (static), b) -> (tokens [B, n, b], ok
     [B, n, b])`` draws ``b`` children per context (``level``: their depth - 1; ``ok``
-    False where there was nothing left to draw). ``expand(carry, level, tokens, (start,
-    stop), parent_local int[n] (static: index in the previous level), attn) -> (carry, q [B, n,
-    V])`` feeds the n nodes of depth ``level`` (region slots = node indices, depths
-    relative to level 1) and returns the draft law of their children; its ``tokens`` are
-    all nodes' so far [B, stop] and it gets ``(start, stop)``, the level's node range
-    (a node's history for penalties: :func:`sampled_shape`'s ``ancestors``).
+    False where there was nothing left to draw); a context with fewer children in the
+    shape keeps its first draws (still draws in sequence). ``expand(carry, level, tokens,
+    (start, stop), parent_local int[n] (static: index in the previous level), attn) ->
+    (carry, q [B, n, V])`` feeds the n nodes of depth ``level`` (region slots = node
+    indices, depths relative to level 1) and returns the draft law of their children; its
+    ``tokens`` are all nodes' so far [B, stop] and it gets ``(start, stop)``, the level's
+    node range (a node's history for penalties: :func:`sampled_shape`'s ``ancestors``).
 
     The shape does not depend on any draw (a node is only invalid when its context had
     fewer possible tokens than its rank, or its parent is invalid), so the candidates
@@ -187,9 +203,20 @@ def grow_sampled_tree(root_q, expand: Callable, draw: Callable, carry, *, branch
     b, v = root_q.shape
     w = lay["width"]
     region_depth = jnp.broadcast_to(jnp.asarray(lay["depth"][:w] - 1, jnp.int32)[None], (b, w))
-    tok, ok = draw(root_q[:, None], 0, np.zeros((1,), np.int32), branching[0])
-    toks, oks, qs = [tok.reshape(b, -1)], [ok.reshape(b, -1)], []
-    for level in range(1, len(branching)):
+
+    def pick(tok, ok, level, ok_parent):
+        """The level's nodes from ``draws`` per context: (context, rank) -> flat index."""
+        start, stop = lay["levels"][level]
+        par = lay["parent"][start:stop]
+        ctx = np.zeros_like(par) if level == 0 else par - lay["levels"][level - 1][0]
+        idx = ctx * lay["draws"][level] + lay["rank"][start:stop]
+        ok = ok.reshape(b, -1)[:, idx]
+        return tok.reshape(b, -1)[:, idx], ok if ok_parent is None else ok & ok_parent[:, ctx]
+
+    tok, ok = draw(root_q[:, None], 0, np.zeros((1,), np.int32), lay["draws"][0])
+    tok, ok = pick(tok, ok, 0, None)
+    toks, oks, qs = [tok], [ok], []
+    for level in range(1, len(lay["levels"])):
         start, stop = lay["levels"][level - 1]
         n = stop - start
         mask = jnp.asarray(lay["ancestors"][start:stop, :w])
@@ -201,9 +228,10 @@ def grow_sampled_tree(root_q, expand: Callable, draw: Callable, carry, *, branch
         carry, q = expand(carry, level, jnp.concatenate(toks, axis=1), (start, stop),
                           plocal.astype(np.int32), attn)
         qs.append(q)
-        tok, ok = draw(q, level, np.arange(start, stop, dtype=np.int32) + 1, branching[level])
-        toks.append(tok.reshape(b, -1))
-        oks.append((ok & oks[-1][:, :, None]).reshape(b, -1))
+        tok, ok = draw(q, level, np.arange(start, stop, dtype=np.int32) + 1, lay["draws"][level])
+        tok, ok = pick(tok, ok, level, oks[-1])
+        toks.append(tok)
+        oks.append(ok)
     n_all = len(lay["parent"])
     leaves = n_all - sum(q.shape[1] for q in qs)
     q_node = jnp.concatenate(qs + [jnp.full((b, leaves, v), -jnp.inf, root_q.dtype)], axis=1)
@@ -333,7 +361,7 @@ def pad_tree(tree: DraftTree, n: int) -> DraftTree:
 
 
 def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str = "point_mass",
-                       branching=None, widths=()):
+                       branching=None, widths=(), sampled_nodes: int = 0):
     """A tree proposer from a draft: an EAGLE head (:class:`EagleTreeProposer`; with
     ``candidates`` ``"iid"`` / ``"without_replacement"``, sampled rounds draw a full tree
     of ``branching``) or a draft model with tree attention (:class:`DraftModelTreeProposer`,
@@ -344,9 +372,11 @@ def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str
         extra = {} if branching is None else dict(branching=tuple(int(b) for b in branching))
         if widths:
             extra["widths"] = tuple(int(x) for x in widths)
+        if sampled_nodes:
+            extra["sampled_nodes"] = int(sampled_nodes)
         return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes,
                                  candidates=candidates, **extra)
-    if candidates != "point_mass" or widths:
+    if candidates != "point_mass" or widths or sampled_nodes:
         raise ValueError(f"candidates={candidates!r}: only the EAGLE head grows sampled trees "
                          "(a draft model grows top-k trees: point_mass)")
     if getattr(draft, "supports_tree", False):
@@ -363,10 +393,12 @@ def _allowed(ctx: ProposeContext, position):
 
 
 def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_mass",
-                        widths=()) -> None:
+                        widths=(), sampled_nodes=0) -> None:
     """ValueError unless the tree settings are valid: ``topk``, ``depth``, ``nodes`` ints
     >= 1, ``branching`` a non-empty tuple of ints >= 1, ``widths`` an empty tuple or one
     of ints >= 1 (a dynamic sampled tree: ``candidates="without_replacement"`` only),
+    ``sampled_nodes`` an int >= 0 (> 0: sampled rounds fill the positional tree of that
+    many nodes; sampled candidates, no ``widths``),
     ``candidates`` one of ``"point_mass"`` and :data:`SAMPLED_CANDIDATES` (the proposers'
     and :class:`specjax.build.TreeSpec`'s one check)."""
     for name, x in (("topk", topk), ("depth", depth), ("nodes", nodes)):
@@ -384,6 +416,11 @@ def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_ma
     if widths and candidates != "without_replacement":
         raise ValueError(f"tree widths (a dynamic sampled tree) need candidates="
                          f"without_replacement, got {candidates!r}")
+    if not isinstance(sampled_nodes, int) or isinstance(sampled_nodes, bool) or sampled_nodes < 0:
+        raise ValueError(f"tree sampled_nodes must be an integer >= 0, got {sampled_nodes!r}")
+    if sampled_nodes and (widths or candidates == "point_mass"):
+        raise ValueError("tree sampled_nodes (the positional tree of sampled rounds) needs sampled "
+                         "candidates (iid or without_replacement) and no widths")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -427,13 +464,14 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     candidates: str = "point_mass"
     branching: tuple = (2, 2, 1)
     widths: tuple = ()
+    sampled_nodes: int = 0
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
     always_drafts: bool = True
 
     def __post_init__(self):
         check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates,
-                            self.widths)
+                            self.widths, self.sampled_nodes)
 
     @property
     def sampled(self) -> bool:
@@ -445,15 +483,23 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
         the full tree of ``branching``."""
         return self.sampled and bool(self.widths)
 
+    def sampled_tree_shape(self):
+        """What sampled rounds fill: the ``sampled_nodes``-node positional tree
+        (:func:`specjax.tree.positional_tree_shape`, a parent array) if set, else the
+        full tree of ``branching``."""
+        if self.sampled_nodes:
+            return positional_tree_shape(self.sampled_nodes)[0]
+        return self.branching
+
     def _sampled_layout(self):
         if self.dynamic:
             lay = dynamic_shape(self.widths)
             return dict(lay, parent=np.zeros(lay["nodes"], np.int32))
-        return sampled_shape(self.branching)
+        return sampled_shape(self.sampled_tree_shape())
 
     @property
     def sampled_depth(self) -> int:
-        return len(self.widths) if self.dynamic else len(self.branching)
+        return len(self.widths) if self.dynamic else len(self._sampled_layout()["levels"])
 
     @property
     def tree_depth(self) -> int:
@@ -573,7 +619,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                                                          widths=self.widths)
                 else:
                     (cache, _), tree = grow_sampled_tree(root_q, expand, draw, (cache, None),
-                                                         branching=self.branching)
+                                                         branching=self.sampled_tree_shape())
                 return cache, pad_tree(tree, n)
 
             greedy = jnp.all(ctx.params.temperature <= 0)
