@@ -1,9 +1,9 @@
 """Draft trees through the engine: the exact law of whole generations (chi-square against
 the target's chain law, several rounds with rollback) for a tree grown by a tiny draft
-model and for SAMPLED trees grown by an EAGLE head (i.i.d. candidates from an EAGLE-1 head;
-without-replacement candidates from a reduced-vocabulary EAGLE-3 head, which reads several of
-the target's layers along the accepted path, from a tree shaped as it grows, and i.i.d. into
-the irregular positional tree), mutants the law test rejects (a wrong tree mask,
+model and for SAMPLED trees grown by an EAGLE head (without-replacement candidates from a
+reduced-vocabulary EAGLE-3 head, which reads several of the target's layers along the
+accepted path, into a full tree; an EAGLE-1 head's without-replacement candidates into a
+tree shaped as it grows, and its i.i.d. candidates into the irregular positional tree), mutants the law test rejects (a wrong tree mask,
 the accepted path's KV left where it was, siblings drawn without replacement but verified
 as i.i.d.), greedy trees equal autoregressive greedy decoding, a chain as a tree draws
 what the chain verifier draws, streaming and batch invariance."""
@@ -66,8 +66,6 @@ def _sampled(target, variant):
         return EagleTreeProposer(model=_eagle(target), candidates="without_replacement", widths=(2, 3))
     if variant == "eagle_positional_iid":  # a fixed irregular shape (3, 3, 1 nodes per level)
         return EagleTreeProposer(model=_eagle(target), candidates="iid", sampled_nodes=7)
-    if variant == "eagle_iid":
-        return EagleTreeProposer(model=_eagle(target), candidates="iid", branching=(2, 2))
     return _DrawnWithoutReplacementVerifiedIid(model=_eagle(target), candidates="iid", branching=(3, 1))
 
 
@@ -98,7 +96,7 @@ def _hist(eng):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tree", "tree_mutant_causal_mask", "tree_mutant_path_not_moved",
-                                     "eagle3_without_replacement_subset", "eagle_iid",
+                                     "eagle3_without_replacement_subset",
                                      "eagle_dynamic_without_replacement", "eagle_positional_iid",
                                      "eagle_mutant_without_replacement_as_iid"])
 def test_tree_engine_law(target, draft, law, variant):
