@@ -574,33 +574,20 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
             cache, tree = topk_tree(cache)
         else:
             draft_keys = jax.vmap(lambda k: role_key(k, DRAFT))(ctx.round_keys)
-            lay = self._sampled_layout()
             v = self.vocab_size
 
             def sampled_tree(cache):
                 def expand(carry, level, tokens, rng, plocal, attn):
+                    # plocal: the parents' indices in the previous level (static for a fixed
+                    # shape, an array for a dynamic tree); attn.mask: each node's ancestors
+                    # among the node slots (region slot i = node i)
                     cache, feats = carry
                     start, stop = rng
                     cur = tokens[:, start:stop]
                     if level == 1:
                         h_in = jnp.broadcast_to(state["h"][:, None], cur.shape + state["h"].shape[-1:])
-                    else:
+                    elif isinstance(plocal, np.ndarray):
                         h_in = feats[:, plocal]
-                    hn, cache = m.tree_call(h_in, cur, cache, attn)
-
-                    def counts():  # committed tokens + each node's path (itself included)
-                        anc = jnp.asarray(lay["ancestors"][start:stop, :stop], ctx.counts.dtype)
-                        oh = jax.nn.one_hot(tokens, v, dtype=ctx.counts.dtype)
-                        return ctx.counts[:, None] + jnp.einsum("ij,bjv->biv", anc, oh)
-
-                    return (cache, hn), ctx.process(m.full_logits(hn), counts, level)
-
-                def expand_dynamic(carry, level, tokens, rng, plocal, attn):
-                    cache, feats = carry
-                    start, stop = rng
-                    cur = tokens[:, start:stop]
-                    if level == 1:
-                        h_in = jnp.broadcast_to(state["h"][:, None], cur.shape + state["h"].shape[-1:])
                     else:
                         h_in = jnp.take_along_axis(feats, plocal[:, :, None], axis=1)
                     hn, cache = m.tree_call(h_in, cur, cache, attn)
@@ -615,7 +602,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                 root_q = ctx.process(m.full_logits(state["h"]), ctx.counts, 0)
                 draw = draw_candidates(self.draw_rule(), draft_keys, tm)
                 if self.dynamic:
-                    (cache, _), tree = grow_dynamic_tree(root_q, expand_dynamic, draw, (cache, None),
+                    (cache, _), tree = grow_dynamic_tree(root_q, expand, draw, (cache, None),
                                                          widths=self.widths)
                 else:
                     (cache, _), tree = grow_sampled_tree(root_q, expand, draw, (cache, None),
