@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
@@ -77,6 +79,7 @@ def main(argv=None) -> dict:
     from specjax import sampling
     from specjax.build import load_target, make_engine, resolve_draft
     from specjax.drafts.trees import make_tree_proposer
+    from specjax.tree import positional_tree_shape
 
     target, tok, _ = load_target("default")
     draft, ddesc = resolve_draft(a.draft, target)
@@ -116,8 +119,7 @@ def main(argv=None) -> dict:
         record("dynamic " + "x".join(map(str, wd)), prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
     for n in positional:
         prop = make_tree_proposer(draft, 2, 1, 2, "without_replacement", sampled_nodes=n)
-        lay = prop._sampled_layout()
-        label = "positional " + "x".join(str(b - a) for a, b in lay["levels"])
+        label = "positional " + "x".join(map(str, np.bincount(positional_tree_shape(n)[1])[1:]))
         record(label, prop.tree_nodes, 1.0, make_engine(target, prop, None, "tree"))
 
     res = dict(prompts_file=a.prompts_file, rows=len(ids), max_new_tokens=a.max_new_tokens, seeds=a.seeds,

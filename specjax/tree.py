@@ -76,7 +76,7 @@ __all__ = [
     "tree_step", "tree_prepare", "tree_validate", "descend", "tree_finish", "assemble",
     "law_scan", "tree_law",
     "tree_verify", "iid_tree_verify", "point_mass_tree_verify", "point_mass_target_verify",
-    "without_replacement_tree_verify", "greedy_tree_verify", "contexts", "select_level",
+    "without_replacement_tree_verify", "greedy_tree_verify", "contexts", "select_level", "keep_best",
 ]
 
 ROOT = -1
@@ -321,13 +321,18 @@ def select_level(f_score, f_ok, cand_lq, cand_ok, m: int):
     Returns ``(sel int32[m], keep bool[m], child_score [m])``: the kept candidates' flat
     indices ``i * b + j`` in increasing order (siblings stay in draw order), whether each
     of the m slots holds a node, and each new node's score ``f_score + log q``."""
-    n, b = cand_lq.shape
     q = jnp.exp(cand_lq)
     before = jnp.cumsum(q, axis=-1) - q  # mass of the earlier siblings
     rank = f_score[:, None] + jnp.log1p(-jnp.minimum(before, 1.0))
+    return keep_best(rank, f_score, f_ok, cand_lq, cand_ok, m)
+
+
+def keep_best(rank, f_score, f_ok, cand_lq, cand_ok, m: int):
+    """:func:`select_level`'s selection given a rank [n, b] per candidate: the best ``m``
+    existing candidates (ties: the lower flat index), returned as it describes."""
+    n, b = cand_lq.shape
     rank = jnp.where(f_ok[:, None] & cand_ok, rank, -jnp.inf).reshape(n * b)
-    m = min(m, n * b)
-    top, idx = jax.lax.top_k(rank, m)
+    top, idx = jax.lax.top_k(rank, min(m, n * b))
     order = jnp.argsort(idx)
     sel = idx[order].astype(jnp.int32)
     keep = top[order] > -jnp.inf

@@ -227,19 +227,11 @@ TREE_MUTANTS = {
 
 def _select_by(rank_fn):
     """A dynamic-tree selection rule ranking candidates by ``rank_fn(f_score, q [n, b])``
-    (otherwise :func:`specjax.tree.select_level`)."""
-    import jax
-    import jax.numpy as jnp
+    (otherwise :func:`specjax.tree.select_level`: the same :func:`specjax.tree.keep_best`)."""
+    from specjax.tree import keep_best
 
     def select(f_score, f_ok, cand_lq, cand_ok, m):
-        n, b = cand_lq.shape
-        rank = jnp.where(f_ok[:, None] & cand_ok, rank_fn(f_score, cand_lq), -jnp.inf).reshape(n * b)
-        top, idx = jax.lax.top_k(rank, min(m, n * b))
-        order = jnp.argsort(idx)
-        sel = idx[order].astype(jnp.int32)
-        keep = top[order] > -jnp.inf
-        child = f_score[sel // b] + cand_lq.reshape(n * b)[sel]
-        return sel, keep, jnp.where(keep, child, -jnp.inf)
+        return keep_best(rank_fn(f_score, cand_lq), f_score, f_ok, cand_lq, cand_ok, m)
 
     return select
 

@@ -176,7 +176,7 @@ def sampled_shape(shape) -> dict:
         if par >= 0:
             anc[i] |= anc[par]
     return dict(parent=parent, depth=depth, levels=levels, width=width, ancestors=anc, rank=rank,
-                draws=draws)
+                draws=draws, nodes=len(parent))
 
 
 def grow_sampled_tree(root_q, expand: Callable, draw: Callable, carry, *, branching):
@@ -493,8 +493,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
 
     def _sampled_layout(self):
         if self.dynamic:
-            lay = dynamic_shape(self.widths)
-            return dict(lay, parent=np.zeros(lay["nodes"], np.int32))
+            return dynamic_shape(self.widths)
         return sampled_shape(self.sampled_tree_shape())
 
     @property
@@ -508,7 +507,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     @property
     def tree_nodes(self) -> int:
         n = _TreeConfig.tree_nodes.fget(self)
-        return max(n, len(self._sampled_layout()["parent"])) if self.sampled else n
+        return max(n, self._sampled_layout()["nodes"]) if self.sampled else n
 
     @property
     def k(self) -> int:
