@@ -52,11 +52,22 @@ def default_gguf_path() -> str:
 
 
 def open_gguf(path: Optional[str] = None):
-    import gguf
-
+    """A ``gguf.GGUFReader`` of the file (read-only memory map), one per file and process:
+    parsing a GGUF's header (SmolLM2's 49,152-entry vocabulary, field by field) takes
+    seconds, and the tokenizer, the config check and the weights all read it. A file
+    changed on disk (size or modification time) is opened again."""
     path = default_gguf_path() if path is None else os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = os.stat(path)
+    return _open_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: str, size: int, mtime_ns: int):
+    import gguf
+
+    del size, mtime_ns  # the cache key only
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # bad magic, truncated file, ...
