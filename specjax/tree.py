@@ -145,32 +145,52 @@ def full_tree_shape(branching, depth: Optional[int] = None):
 DEFAULT_SIBLING_ACCEPT = (0.42, 0.14, 0.07, 0.04, 0.025, 0.015, 0.01, 0.007)
 
 
+def _accept_table(accept):
+    """``accept`` as a tuple of per-depth tuples (a flat vector: one row for every depth)."""
+    rows = list(accept) if accept is not None else []
+    if rows and all(isinstance(r, (int, float, np.integer, np.floating)) for r in rows):
+        rows = [rows]
+    try:
+        table = tuple(tuple(float(a) for a in r) for r in rows)
+    except TypeError:
+        table = ()
+    return table
+
+
 def positional_tree_shape(nodes: int, accept=DEFAULT_SIBLING_ACCEPT, max_depth: int = 8):
     """``(parent, depth)`` of the ``nodes``-node tree with the most expected accepted tokens
     when the k-th child of a node is on the path with probability ``accept[k]`` whatever
     the context (Sequoia's positional model): a node's value is the product of ``accept``
     along its path, and the best ``nodes`` values form a tree (a child never beats its
-    parent, a later sibling never beats an earlier one). Level order, siblings in rank order
-    (their draw order), so the tree is topological and a parent comes before its level's
-    later nodes. The shape is fixed: verification is exact for it as for any full tree."""
+    parent, a later sibling never beats an earlier one). ``accept`` is one vector for all
+    depths or a table, one row per depth (the last row for deeper levels), each row
+    non-increasing. Level order, siblings in rank order (their draw order), so the tree is
+    topological and a parent comes before its level's later nodes. The shape is fixed:
+    verification is exact for it as for any full tree."""
     import heapq
 
     nodes, max_depth = int(nodes), int(max_depth)
-    acc = [float(a) for a in accept]
-    if nodes < 1 or max_depth < 1 or not acc or any(not 0.0 < a <= 1.0 for a in acc):
-        raise ValueError(f"positional_tree_shape: nodes >= 1, max_depth >= 1 and accept in (0, 1], "
-                         f"got {nodes}, {max_depth}, {accept!r}")
-    heap = [(-a, (k,)) for k, a in enumerate(acc)]
+    table = _accept_table(accept)
+    if (nodes < 1 or max_depth < 1 or not table or any(not r for r in table)
+            or any(not 0.0 < a <= 1.0 for r in table for a in r)
+            or any(b > a for r in table for a, b in zip(r, r[1:]))):
+        raise ValueError(f"positional_tree_shape: nodes >= 1, max_depth >= 1 and accept rows "
+                         f"non-increasing in (0, 1], got {nodes}, {max_depth}, {accept!r}")
+
+    def row(depth):  # the acceptance row of the children at this depth (1-based)
+        return table[min(depth, len(table)) - 1]
+
+    heap = [(-a, (k,)) for k, a in enumerate(row(1))]
     heapq.heapify(heap)
     chosen = []
     while len(chosen) < nodes:
         if not heap:
-            raise ValueError(f"positional_tree_shape: a tree of {len(acc)} children per node and depth "
-                             f"{max_depth} has only {len(chosen)} nodes, not {nodes}")
+            raise ValueError(f"positional_tree_shape: a tree of at most {max(map(len, table))} children per "
+                             f"node and depth {max_depth} has only {len(chosen)} nodes, not {nodes}")
         v, path = heapq.heappop(heap)
         chosen.append(path)
         if len(path) < max_depth:
-            for k, a in enumerate(acc):
+            for k, a in enumerate(row(len(path) + 1)):
                 heapq.heappush(heap, (v * a, path + (k,)))
     chosen.sort(key=lambda p: (len(p), p))  # level order; within a level, parent then rank
     index = {p: i for i, p in enumerate(chosen)}

@@ -199,9 +199,17 @@ def test_positional_tree_shape():
     np.testing.assert_array_equal(p4, [-1, -1, 0, 2])
     np.testing.assert_array_equal(d4, [1, 1, 2, 3])
     assert np.bincount(T.positional_tree_shape(44)[1]).max() == 16
+    # a per-depth table: deeper children accepted w.p. 0.2 only, so the 4th node is the
+    # root's second child's child (0.3 * 0.2 = 0.06), not a third level (0.6 * 0.2 * 0.2)
+    pt, dt = T.positional_tree_shape(4, accept=((0.6, 0.3), (0.2,)))
+    np.testing.assert_array_equal(pt, [-1, -1, 0, 1])
+    np.testing.assert_array_equal(dt, [1, 1, 2, 2])
+    np.testing.assert_array_equal(T.positional_tree_shape(15, accept=(T.DEFAULT_SIBLING_ACCEPT,))[0],
+                                  T.positional_tree_shape(15)[0])
     assert T.positional_tree_shape(8, max_depth=1)[1].max() == 1
     for bad in [dict(nodes=0), dict(nodes=3, accept=(0.5, 1.5)), dict(nodes=3, accept=()),
-                dict(nodes=9, max_depth=1)]:
+                dict(nodes=9, max_depth=1), dict(nodes=3, accept=((0.5, 0.6),)),
+                dict(nodes=3, accept=((0.5,), ()))]:
         with pytest.raises(ValueError, match="positional_tree_shape"):
             T.positional_tree_shape(**bad)
 

@@ -45,7 +45,8 @@ from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_pro
 from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, position_key, role_key
 from specjax.sampling import gumbel, sample
-from specjax.tree import DraftTree, full_tree_shape, positional_tree_shape, select_level, shape_depths
+from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, full_tree_shape, positional_tree_shape, select_level,
+                          shape_depths)
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -361,7 +362,7 @@ def pad_tree(tree: DraftTree, n: int) -> DraftTree:
 
 
 def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str = "point_mass",
-                       branching=None, widths=(), sampled_nodes: int = 0):
+                       branching=None, widths=(), sampled_nodes: int = 0, sampled_accept=()):
     """A tree proposer from a draft: an EAGLE head (:class:`EagleTreeProposer`; with
     ``candidates`` ``"iid"`` / ``"without_replacement"``, sampled rounds draw a full tree
     of ``branching``) or a draft model with tree attention (:class:`DraftModelTreeProposer`,
@@ -374,6 +375,9 @@ def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str
             extra["widths"] = tuple(int(x) for x in widths)
         if sampled_nodes:
             extra["sampled_nodes"] = int(sampled_nodes)
+        if sampled_accept:
+            extra["sampled_accept"] = tuple(tuple(float(a) for a in r) if hasattr(r, "__len__") else float(r)
+                                            for r in sampled_accept)
         return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes,
                                  candidates=candidates, **extra)
     if candidates != "point_mass" or widths or sampled_nodes:
@@ -465,6 +469,7 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     branching: tuple = (2, 2, 1)
     widths: tuple = ()
     sampled_nodes: int = 0
+    sampled_accept: tuple = ()  # the positional tree's acceptance model; () = DEFAULT_SIBLING_ACCEPT
     needs_target_hidden: bool = True
     min_prompt_len: int = 2
     always_drafts: bool = True
@@ -472,6 +477,8 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     def __post_init__(self):
         check_tree_settings(self.topk, self.depth, self.nodes, self.branching, self.candidates,
                             self.widths, self.sampled_nodes)
+        if self.sampled_nodes:
+            self.sampled_tree_shape()  # a bad acceptance model fails here, before any tracing
 
     @property
     def sampled(self) -> bool:
@@ -486,9 +493,10 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
     def sampled_tree_shape(self):
         """What sampled rounds fill: the ``sampled_nodes``-node positional tree
         (:func:`specjax.tree.positional_tree_shape`, a parent array) if set, else the
-        full tree of ``branching``."""
+        full tree of ``branching``. ``sampled_accept`` (a vector or a per-depth table)
+        shapes the positional tree; it changes which tree is verified, never the law."""
         if self.sampled_nodes:
-            return positional_tree_shape(self.sampled_nodes)[0]
+            return positional_tree_shape(self.sampled_nodes, self.sampled_accept or DEFAULT_SIBLING_ACCEPT)[0]
         return self.branching
 
     def _sampled_layout(self):
