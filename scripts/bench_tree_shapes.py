@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
         if a.rows < 1 or a.max_new_tokens < 2 or a.seeds < 1 or a.chain < 0 or a.ranks < 0:
             raise ValueError("--rows, --seeds >= 1, --max-new-tokens >= 2, --chain, --ranks >= 0")
         accept = _read_accept(a.accept)
-        from specjax.tree import DEFAULT_SIBLING_ACCEPT, positional_tree_shape
+        from specjax.tree import DEFAULT_SIBLING_ACCEPT, accept_table, positional_tree_shape
         for n in positional + ([a.ranks] if a.ranks else []):
             positional_tree_shape(n, accept or DEFAULT_SIBLING_ACCEPT)
     except ValueError as e:
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
         ranks = _measure_ranks(a, target, draft, ids, model)
 
     res = dict(prompts_file=a.prompts_file, rows=len(ids), max_new_tokens=a.max_new_tokens, seeds=a.seeds,
-               draft=str(ddesc), results=rows, accept_model=[list(r) if hasattr(r, "__len__") else r for r in model],
+               draft=str(ddesc), results=rows, accept_model=[list(r) for r in accept_table(model)],
                **(ranks or {}), command=" ".join(["python", "scripts/bench_tree_shapes.py"] + (argv or sys.argv[1:])))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -162,7 +162,12 @@ def _read_accept(path):
     obj = obj.get("accept") if isinstance(obj, dict) else obj
     if not isinstance(obj, list) or not obj:
         raise ValueError(f"--accept {path}: expected a list (a vector or a table) or {{'accept': table}}")
-    return tuple(tuple(r) if isinstance(r, list) else r for r in obj)
+    from specjax.tree import accept_table
+
+    try:
+        return accept_table(obj)
+    except ValueError as e:
+        raise ValueError(f"--accept {path}: {e}") from None
 
 
 def _measure_ranks(a, target, draft, ids, model) -> dict:
@@ -172,11 +177,12 @@ def _measure_ranks(a, target, draft, ids, model) -> dict:
     from specjax import sampling
     from specjax.build import make_engine
     from specjax.drafts.trees import make_tree_proposer
+    from specjax.drafts.trees import sampled_shape
     from specjax.tree import positional_tree_shape
 
     parent, depth = positional_tree_shape(a.ranks, model)
     n = len(parent)
-    rank = np.asarray([int(np.sum(parent[:i] == parent[i])) for i in range(n)])
+    rank = sampled_shape(parent)["rank"]  # a node's number of earlier siblings
     children = np.bincount(parent + 1, minlength=n + 1)  # [0]: the root's, [i + 1]: node i's
     dmax, kmax = int(depth.max()), int(children.max())
     hits = np.zeros((dmax, kmax), np.int64)  # path took the rank-k child at depth d

@@ -72,7 +72,7 @@ from specjax.sampling import logsumexp, sample
 
 __all__ = [
     "ROOT", "CANDIDATES", "DraftTree", "TreeVerifyResult", "TreeLaw",
-    "full_tree_shape", "positional_tree_shape", "DEFAULT_SIBLING_ACCEPT", "shape_depths", "make_tree", "chain_tree", "ancestor_mask",
+    "full_tree_shape", "positional_tree_shape", "accept_table", "DEFAULT_SIBLING_ACCEPT", "shape_depths", "make_tree", "chain_tree", "ancestor_mask",
     "tree_step", "tree_prepare", "tree_validate", "descend", "tree_finish", "assemble",
     "law_scan", "tree_law",
     "tree_verify", "iid_tree_verify", "point_mass_tree_verify", "point_mass_target_verify",
@@ -145,15 +145,21 @@ def full_tree_shape(branching, depth: Optional[int] = None):
 DEFAULT_SIBLING_ACCEPT = (0.42, 0.14, 0.07, 0.04, 0.025, 0.015, 0.01, 0.007)
 
 
-def _accept_table(accept):
-    """``accept`` as a tuple of per-depth tuples (a flat vector: one row for every depth)."""
+def accept_table(accept) -> tuple:
+    """A positional acceptance model as a tuple of per-depth tuples of floats (a flat
+    vector: one row for every depth); ValueError unless every row is non-empty,
+    non-increasing and in (0, 1]."""
     rows = list(accept) if accept is not None else []
     if rows and all(isinstance(r, (int, float, np.integer, np.floating)) for r in rows):
         rows = [rows]
     try:
         table = tuple(tuple(float(a) for a in r) for r in rows)
-    except TypeError:
+    except (TypeError, ValueError):
         table = ()
+    if (not table or any(not r for r in table) or any(not 0.0 < a <= 1.0 for r in table for a in r)
+            or any(b > a for r in table for a, b in zip(r, r[1:]))):
+        raise ValueError(f"positional_tree_shape: accept rows must be non-empty and non-increasing in "
+                         f"(0, 1], got {accept!r}")
     return table
 
 
@@ -170,12 +176,9 @@ def positional_tree_shape(nodes: int, accept=DEFAULT_SIBLING_ACCEPT, max_depth: 
     import heapq
 
     nodes, max_depth = int(nodes), int(max_depth)
-    table = _accept_table(accept)
-    if (nodes < 1 or max_depth < 1 or not table or any(not r for r in table)
-            or any(not 0.0 < a <= 1.0 for r in table for a in r)
-            or any(b > a for r in table for a, b in zip(r, r[1:]))):
-        raise ValueError(f"positional_tree_shape: nodes >= 1, max_depth >= 1 and accept rows "
-                         f"non-increasing in (0, 1], got {nodes}, {max_depth}, {accept!r}")
+    if nodes < 1 or max_depth < 1:
+        raise ValueError(f"positional_tree_shape: nodes >= 1 and max_depth >= 1, got {nodes}, {max_depth}")
+    table = accept_table(accept)
 
     def row(depth):  # the acceptance row of the children at this depth (1-based)
         return table[min(depth, len(table)) - 1]

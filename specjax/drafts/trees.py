@@ -45,8 +45,8 @@ from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_pro
 from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, position_key, role_key
 from specjax.sampling import gumbel, sample
-from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, full_tree_shape, positional_tree_shape, select_level,
-                          shape_depths)
+from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, accept_table, full_tree_shape, positional_tree_shape,
+                          select_level, shape_depths)
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -376,8 +376,7 @@ def make_tree_proposer(draft, topk: int, depth: int, nodes: int, candidates: str
         if sampled_nodes:
             extra["sampled_nodes"] = int(sampled_nodes)
         if sampled_accept:
-            extra["sampled_accept"] = tuple(tuple(float(a) for a in r) if hasattr(r, "__len__") else float(r)
-                                            for r in sampled_accept)
+            extra["sampled_accept"] = accept_table(sampled_accept)
         return EagleTreeProposer(model=draft, topk=topk, depth=depth, nodes=nodes,
                                  candidates=candidates, **extra)
     if candidates != "point_mass" or widths or sampled_nodes:
