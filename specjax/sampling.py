@@ -445,6 +445,31 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     return jnp.maximum(t_k, t_p)
 
 
+def _leading(params_field, batch_shape, dtype):
+    """A per-row field aligned with the leading axes, as a flat [N] array."""
+    return jnp.broadcast_to(_lead(params_field, len(batch_shape)), batch_shape).astype(dtype).reshape(-1)
+
+
+def _controlled(logits, allowed=None, bias=None) -> jax.Array:
+    """float32 logits with the bias added and the disallowed tokens at -inf."""
+    x = jnp.asarray(logits).astype(jnp.float32)
+    nb = x.ndim - 1
+    if bias is not None:
+        x = x + _lead_vocab(bias, nb).astype(jnp.float32)
+    if allowed is not None:
+        x = jnp.where(_lead_vocab(allowed, nb), x, _NEG_INF)
+    return x
+
+
+def _penalized(x, params: SamplingParams, counts) -> jax.Array:
+    """Repetition and presence penalties on float32 logits, from the history ``counts``."""
+    batch_shape = x.shape[:-1]
+    seen = _lead_vocab(counts, len(batch_shape)) > 0
+    pen = _leading(params.repetition_penalty, batch_shape, jnp.float32).reshape(batch_shape + (1,))
+    pres = _leading(params.presence_penalty, batch_shape, jnp.float32).reshape(batch_shape + (1,))
+    return jnp.where(seen, jnp.where(x > 0, x / pen, x * pen) - pres, x)
+
+
 def process_logits(logits, params: SamplingParams, counts=None, allowed=None, bias=None,
                    top_values: TopValues = None) -> jax.Array:
     """Logits [..., V] (any float dtype) -> float32 normalized log-probs [..., V].
@@ -460,27 +485,24 @@ def process_logits(logits, params: SamplingParams, counts=None, allowed=None, bi
     ``top_values``: how the largest values of each row are found (None: ``lax.top_k``;
     a sharded run passes its vocabulary-sharded ``MeshPlan.top_values``).
     """
-    x = jnp.asarray(logits).astype(jnp.float32)
+    x = _controlled(logits, allowed, bias)
+    if counts is not None:
+        x = _penalized(x, params, counts)
+    return _filtered(x, params, top_values)
+
+
+def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Array:
+    """The steps of :func:`process_logits` after the controls and penalties: temperature
+    (0: greedy), top-k, top-p, min-p, normalization."""
     batch_shape, v = x.shape[:-1], x.shape[-1]
-    nb = len(batch_shape)
 
     def row(a, dtype):
-        return jnp.broadcast_to(_lead(a, nb), batch_shape).astype(dtype).reshape(-1)
+        return _leading(a, batch_shape, dtype)
 
     temperature = row(params.temperature, jnp.float32)
     top_k = row(params.top_k, jnp.int32)
     top_p = row(params.top_p, jnp.float32)
     min_p = row(params.min_p, jnp.float32)
-
-    if bias is not None:
-        x = x + _lead_vocab(bias, nb).astype(jnp.float32)
-    if allowed is not None:
-        x = jnp.where(_lead_vocab(allowed, nb), x, _NEG_INF)
-    if counts is not None:
-        seen = _lead_vocab(counts, nb) > 0
-        pen = row(params.repetition_penalty, jnp.float32).reshape(batch_shape + (1,))
-        pres = row(params.presence_penalty, jnp.float32).reshape(batch_shape + (1,))
-        x = jnp.where(seen, jnp.where(x > 0, x / pen, x * pen) - pres, x)
 
     x = x.reshape(-1, v)
     xmax = jnp.max(x, axis=-1, keepdims=True)
@@ -587,15 +609,13 @@ def process_rows(logits, params, counts, use_penalties, allowed=None, bias=None,
     """
     extra = logits.ndim - 2
     p = _bcast(params, extra)
-
-    def with_pen(_):
-        c = counts() if callable(counts) else counts
-        return process_logits(logits, p, counts=c, allowed=allowed, bias=bias, top_values=top_values)
-
-    def without_pen(_):
-        return process_logits(logits, p, counts=None, allowed=allowed, bias=bias, top_values=top_values)
-
-    return jax.lax.cond(use_penalties, with_pen, without_pen, None)
+    x = _controlled(logits, allowed, bias)
+    # only the penalties are inside the cond: the rest of the pipeline is traced once (the
+    # same ops in the same order as process_logits, so the same bits)
+    if counts is not None:
+        x = jax.lax.cond(use_penalties, lambda x: _penalized(x, p, counts() if callable(counts) else counts),
+                         lambda x: x, x)
+    return _filtered(x, p, top_values)
 
 
 def sample_rows(keys, logprobs):
