@@ -228,14 +228,25 @@ def test_autoregressive_law_matches(target):
 # ---------------------------------------------------------------------------- greedy
 
 
-@pytest.mark.parametrize("k, method", [(1, "greedy"), (4, "greedy"), (3, "token"), (5, "block")])
-def test_speculative_greedy_equals_autoregressive_greedy(k, method):
+_GREEDY_PROMPTS = [[3, 9, 27, 17], [5, 1], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def greedy_case():
+    """A 64-token target and draft, and the target's greedy tokens (computed once for the
+    parametrizations below: the autoregressive run does not depend on them)."""
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6)
-    prompts = [[3, 9, 27, 17], [5, 1], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6]]
+    ar = build.generate_autoregressive(tgt, _GREEDY_PROMPTS, seed=0, max_new_tokens=40,
+                                        sampling_params=sampling.SamplingConfig(temperature=0.0))
+    return tgt, dft, ar
+
+
+@pytest.mark.parametrize("k, method", [(1, "greedy"), (4, "greedy"), (3, "token"), (5, "block")])
+def test_speculative_greedy_equals_autoregressive_greedy(greedy_case, k, method):
+    tgt, dft, ar = greedy_case
     cfg = sampling.SamplingConfig(temperature=0.0)
-    ar = build.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=40)
-    sp = build.generate(tgt, dft, prompts, k=k, method=method, seed=0, sampling_params=cfg,
+    sp = build.generate(tgt, dft, _GREEDY_PROMPTS, k=k, method=method, seed=0, sampling_params=cfg,
                          max_new_tokens=40)
     assert sp.tokens == ar.tokens
     assert all(len(t) == 40 for t in sp.tokens)

@@ -30,9 +30,7 @@ def test_real_model_speculative_greedy_equals_autoregressive(real):
     ar = build.generate_autoregressive(target, prompts, seed=0, sampling_params=cfg, max_new_tokens=n,
                                         greedy=True)
     assert all(len(t) == n for t in ar.tokens)
-    look = build.generate(target, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
-                           max_new_tokens=n)
-    assert look.tokens == ar.tokens
+    # (prompt lookup's greedy exactness: tests/test_engine.py, on small models)
     draft = first_layers_draft(target, 2)
     spec = build.generate(target, draft, prompts, k=3, method="greedy", seed=0, sampling_params=cfg,
                            max_new_tokens=n)
