@@ -624,6 +624,25 @@ class _Sharded:
         finish = self._executable((carry,), dict(out_cap=static["out_cap"]), "_finish")
         return start, advance, finish
 
+    def _measure_streamed(self, batch: Batch, static_opts: dict) -> None:
+        """For a streamed or dataset run of an adaptive engine whose cost table at this
+        batch size is still to measure: measure it with the streamed programs the run
+        compiles anyway (not with a whole-generation program compiled only for that)."""
+        if getattr(self, "adaptive", False) and "costs" not in static_opts:
+            self.costs_for(batch.size, like=batch, streamed=True)
+
+    def _streamed_run(self, args, static):
+        """A whole generation as ``_start``, one ``_advance`` to the end and ``_finish``:
+        the programs a streamed or dataset run compiles, called like one ``_run``."""
+        start, advance, finish = self._stream_executables(args, static)
+        rest = self._advance_inputs(args)
+
+        def run(*a):
+            with self._context():
+                return finish(advance(start(*a), *rest, np.int32(2 ** 30), np.bool_(False)))
+
+        return run
+
     def _stream(self, batch: Batch, chunk: int, static_opts: dict, with_stats: bool,
                 raise_on_error: bool):
         """Run ``batch`` in chunks of ``chunk`` loop iterations with the loop state kept on
@@ -632,6 +651,7 @@ class _Sharded:
         same rounds with the same keys as :meth:`generate`, so the tokens are the same."""
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
+        self._measure_streamed(batch, static_opts)
         args, static = self._call_args(batch, **static_opts)
         start, advance, finish = self._stream_executables(args, static)
         rest = self._advance_inputs(args)
@@ -657,7 +677,9 @@ class _Sharded:
             raise ValueError("generate_dataset runs without a mesh (sharding) for now")
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {b!r}")
-        args, static = self._call_args(_batch_rows(full, range(b)), **static_opts)
+        rows = _batch_rows(full, range(b))
+        self._measure_streamed(rows, static_opts)
+        args, static = self._call_args(rows, **static_opts)
         start, advance, finish = self._stream_executables(args, static)
         one = self._one_row_args(full, 0, static_opts)
         carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
@@ -1494,18 +1516,18 @@ class SpeculativeEngine(_Sharded):
             raise ValueError(f"costs must be K+1 = {self.k + 1} positive numbers (inf allowed), got {costs!r}")
         self.costs[int(batch_size)] = c
 
-    def costs_for(self, batch_size: int, like: Optional[Batch] = None) -> np.ndarray:
+    def costs_for(self, batch_size: int, like: Optional[Batch] = None, streamed: bool = False) -> np.ndarray:
         """The cost table adaptive K uses at ``batch_size``: set, else read from the cost
         file (:func:`cost_file`) for this machine, models and K, else measured now
-        (:meth:`calibrate`, with the program of ``like`` when given: no extra compile) and
-        saved there."""
+        (:meth:`calibrate`, with the program of ``like`` when given: no extra compile;
+        ``streamed``: its streamed programs) and saved there."""
         b = int(batch_size)
         if b not in self.costs:
             saved = _load_costs().get(self.cost_key(b))
             if saved is not None and len(saved) == self.k + 1:
                 self.set_costs(b, saved)
             else:
-                self.calibrate(b, like=like)
+                self.calibrate(b, like=like, streamed=streamed)
         return self.costs[b]
 
     def cost_key(self, batch_size: int) -> str:
@@ -1521,14 +1543,17 @@ class SpeculativeEngine(_Sharded):
         return f"{hashlib.sha256(what.encode()).hexdigest()[:24]}/b{int(batch_size)}"
 
     def calibrate(self, batch_size: int, *, like: Optional[Batch] = None, prompt_len: int = 32,
-                  new_tokens=(8, 32), repeats: int = 2, save: bool = True) -> np.ndarray:
+                  new_tokens=(8, 32), repeats: int = 2, save: bool = True,
+                  streamed: bool = False) -> np.ndarray:
         """Measure the cost (seconds) of a round that drafts j = 0..K tokens at
         ``batch_size``: generations of ``new_tokens`` lengths (random prompts, T=1, no stop)
         with j forced, the per-round cost being the time difference over the difference in
         rounds (prefill cancels). Every (j, length) runs once per pass and the passes repeat
         (``repeats`` after a warm-up pass), keeping each one's fastest time, so that a slow
         spell of a shared machine does not skew the ratios between j. ``like`` (a prepared batch of that size): run its program
-        (buffer sizes, controls), so that nothing more is compiled. Sets the table
+        (buffer sizes, controls), so that nothing more is compiled; ``streamed``: time it
+        through the streamed programs (``_start``, ``_advance``, ``_finish``) that a dataset
+        run of ``like`` uses, not the whole-generation one. Sets the table
         (:meth:`set_costs`) and saves it to the cost file."""
         if not self.adaptive:
             raise ValueError("calibrate is for an adaptive-K engine (k='auto')")
@@ -1555,7 +1580,8 @@ class SpeculativeEngine(_Sharded):
                         params=batch.params, max_new=np.full(b, n, np.int32),
                         stop_ids=np.full_like(like.stop_ids, _NO_STOP))
                 args, static = self._call_args(batch, costs=forced)
-                runs.append((j, int(n), self._executable(args, static), args))
+                runs.append((j, int(n), self._streamed_run(args, static) if streamed
+                             else self._executable(args, static), args))
         # every (j, n) once per pass, passes repeated, the fastest pass kept: a slow spell of a
         # shared machine hits all j alike instead of skewing their ratios (the rule reads ratios)
         best, iters = {}, {}
@@ -1647,6 +1673,8 @@ class SpeculativeEngine(_Sharded):
         if dataset_batch is not None:
             self._compile_dataset(batch, min(dataset_batch, batch.size), {}, compact)
             return
+        if stream:
+            self._measure_streamed(batch, {})
         args, static = self._call_args(batch)
         self._stream_executables(args, static) if stream else self._executable(args, static)
 
