@@ -1552,8 +1552,8 @@ class SpeculativeEngine(_Sharded):
         (``repeats`` after a warm-up pass), keeping each one's fastest time, so that a slow
         spell of a shared machine does not skew the ratios between j. ``like`` (a prepared batch of that size): run its program
         (buffer sizes, controls), so that nothing more is compiled; ``streamed``: time it
-        through the streamed programs (``_start``, ``_advance``, ``_finish``) that a dataset
-        run of ``like`` uses, not the whole-generation one. Sets the table
+        through the streamed programs (``_start``, ``_advance``, ``_finish``) that a streamed
+        or dataset run of ``like`` uses, not the whole-generation one. Sets the table
         (:meth:`set_costs`) and saves it to the cost file."""
         if not self.adaptive:
             raise ValueError("calibrate is for an adaptive-K engine (k='auto')")

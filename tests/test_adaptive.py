@@ -209,16 +209,12 @@ def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch)
     # compiles anyway: no whole-generation program compiled just to time rounds
     streamed = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
     streamed.compile([[1, 2, 3]], stream=True, seed=0, max_new_tokens=8)
-    assert streamed.has_costs(1) and _load_row(streamed, 1) is not None
+    assert streamed.has_costs(1) and engine._load_costs().get(streamed.cost_key(1)) is not None
     assert {sig[0] for sig in streamed._compiled} == {"_start", "_advance", "_finish"}
     with pytest.raises(ValueError, match="K\\+1"):
         eng.set_costs(2, [1.0, 2.0])
     with pytest.raises(ValueError, match="positive"):
         eng.set_costs(2, [1.0, -1.0, 2.0])
-
-
-def _load_row(eng, b):
-    return engine._load_costs().get(eng.cost_key(b))
 
 
 class _Phases(engine.SpeculativeEngine):
