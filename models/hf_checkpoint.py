@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from specjax.models.host_memory import staging
 from specjax.models.llama import LlamaConfig, LlamaLM, RopeScaling, check_weights, layer_keys, stack_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -318,8 +319,10 @@ def load_hf(folder: str | os.PathLike, **config_overrides: Any) -> LlamaLM:
     hf = read_hf_config(folder)
     cfg = config_from_hf(hf, **config_overrides)
     arch = (hf.get("architectures") or ["?"])[0]
-    weights = hf_to_canonical(cfg, _read_tensors(_safetensor_files(folder)), source=str(folder), architecture=arch)
-    return LlamaLM.from_weights(cfg, weights)
+    with staging():
+        weights = hf_to_canonical(cfg, _read_tensors(_safetensor_files(folder)), source=str(folder),
+                                  architecture=arch)
+        return LlamaLM.from_weights(cfg, weights)
 
 
 # --------------------------------------------------------------------------------------

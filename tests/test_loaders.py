@@ -121,6 +121,39 @@ def test_gguf_round_trip(tmp_path, qtype, tied):
         np.testing.assert_allclose(logits_of(got, TOKS), logits_of(lm, TOKS), atol=1e-5)
 
 
+def test_weights_are_staged_without_huge_page_advice(tmp_path, monkeypatch):
+    """load_gguf and load_hf build the weights with numpy's huge-page advice off (on this
+    project's VMs a huge-page fault costs ~30x: see models/host_memory.py) and restore it."""
+    from specjax.models import host_memory
+
+    switch = host_memory._switch()
+
+    def state():
+        before = switch(False)
+        switch(before)
+        return before
+
+    seen = []
+    real = LlamaLM.from_weights.__func__
+
+    def from_weights(cls, cfg, weights):
+        seen.append(state())
+        return real(cls, cfg, weights)
+
+    monkeypatch.setattr(LlamaLM, "from_weights", classmethod(from_weights))
+    lm = LlamaLM.init(GCFG, 0)
+    write_gguf(tmp_path / "m.gguf", lm)
+    save_hf(lm, tmp_path / "hf")
+    seen.clear()
+    for advice in (True, False):
+        switch(advice)
+        load_gguf(tmp_path / "m.gguf")
+        load_hf(tmp_path / "hf")
+        assert seen == [False, False] and state() is advice
+        seen.clear()
+    switch(True)
+
+
 def test_gguf_config_overrides(tmp_path):
     write_gguf(tmp_path / "m.gguf", LlamaLM.init(GCFG, 0))
     got, _ = load_gguf(tmp_path / "m.gguf", scan_layers=True)
