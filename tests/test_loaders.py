@@ -121,6 +121,26 @@ def test_gguf_round_trip(tmp_path, qtype, tied):
         np.testing.assert_allclose(logits_of(got, TOKS), logits_of(lm, TOKS), atol=1e-5)
 
 
+def _same_reader_contents(a, b):
+    assert list(a.fields) == list(b.fields) and a.endianess == b.endianess
+    for k, fa in a.fields.items():
+        fb = b.fields[k]
+        assert (fa.offset, fa.types, fa.data) == (fb.offset, fb.types, fb.data), k
+        assert len(fa.parts) == len(fb.parts) and all(np.array_equal(x, y) for x, y in zip(fa.parts, fb.parts)), k
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in a.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in b.tensors]
+    assert all(np.array_equal(x.data, y.data) for x, y in zip(a.tensors, b.tensors))
+
+
+def test_fast_gguf_reader_reads_what_the_stock_reader_reads(tmp_path):
+    """The loader's reader (header reads on a plain view of the memory map) gives the same
+    fields, parts and tensors as ``gguf.GGUFReader``, here and on the real file below."""
+    write_gguf(tmp_path / "m.gguf", LlamaLM.init(GCFG, 0), qtype=Q.Q8_0)
+    cls = gguf_loader._reader_class()
+    assert cls is not gguf.GGUFReader and issubclass(cls, gguf.GGUFReader)
+    _same_reader_contents(cls(tmp_path / "m.gguf", "r"), gguf.GGUFReader(tmp_path / "m.gguf", "r"))
+
+
 def test_weights_are_staged_without_huge_page_advice(tmp_path, monkeypatch):
     """load_gguf and load_hf build the weights with numpy's huge-page advice off (on this
     project's VMs a huge-page fault costs ~30x: see models/host_memory.py) and restore it."""
@@ -359,6 +379,12 @@ def test_real_config_from_metadata(real):
     same = dict(name="", norm_eps=0.0, scan_layers=False)  # the preset's layer mode is "auto"
     assert preset.replace(**same) == c.replace(**same)
     assert abs(preset.norm_eps - c.norm_eps) < 1e-9
+
+
+@pytest.mark.real_model
+def test_fast_gguf_reader_on_the_real_file(real):
+    path = gguf_loader.default_gguf_path()
+    _same_reader_contents(gguf_loader.open_gguf(path), gguf.GGUFReader(path, "r"))
 
 
 @pytest.mark.real_model
