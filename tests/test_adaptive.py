@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import engine, sampling
+from specjax import engine, keys, sampling
 from specjax.audit import chi_square_test
 from specjax.drafts import DraftModelProposer
 from specjax.models.llama import LlamaLM, tiny_config
-from specjax.sampling import process_rows
 from tests.engine_law import exact_chain_law, histogram
 
 V = 8
@@ -33,21 +32,16 @@ class _Cycle(engine.SpeculativeEngine):
 
 
 class _Peek(engine.SpeculativeEngine):
-    """MUTANT: drafts 1 token for the rows whose first draft this round's own verification
-    would accept, none for the others (their token then comes from p): the choice looks at
-    the current round's draws."""
+    """MUTANT: drafts 1 token for the rows whose acceptance uniform at this round's first
+    draft position is below 1/2, none for the others: the choice looks at the current
+    round's draws (a drafted token is then accepted with probability min(1, 2p/q), not
+    min(1, p/q), so the output leans toward the draft's law)."""
 
     def choose_k(self, c, costs, inputs):
-        target_params, draft_params, row_keys, params, controls, _, _, use_penalties = inputs
-        prop = self._proposers[1]
-        round_keys, proposal = self._propose(c, draft_params, row_keys, params, controls,
-                                             use_penalties, prop)
-        nd = proposal.num_draft
-        logits, _, _ = self._score(target_params, c.state, proposal.tokens, nd, c.target_cache)
-        p_lp = process_rows(logits, params, lambda: self.position_counts(c.state.counts, proposal.tokens, nd),
-                            use_penalties)
-        res = self._verify(round_keys, proposal.tokens, proposal.logprobs, p_lp, nd)
-        return jnp.where(res.num_accepted > 0, 1, 0).astype(jnp.int32)
+        row_keys = inputs[2]
+        u = jax.vmap(lambda rk: keys.uniform_open(keys.position_key(keys.role_key(rk, keys.ACCEPT), 0)))(
+            self.round_keys(c, row_keys))
+        return jnp.where(u < 0.5, 1, 0).astype(jnp.int32)
 
 
 def _hist(eng, cfg, n, rows=ROWS):
