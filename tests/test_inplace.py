@@ -118,10 +118,10 @@ def test_adaptive_program_updates_both_caches_in_place(models, branches, monkeyp
     engine did before) XLA copies every operand, both caches included, on every switch,
     into temporaries allocated on every call."""
     target, draft = (m.with_config(cpu_kernels="xla") for m in models)
-    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token", adaptive=True)
-    eng.set_costs(len(PROMPTS), [1.0, 1.2, 1.4, 1.6])
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), "token", adaptive=True)
+    eng.set_costs(len(PROMPTS), [1.0, 1.2, 1.4])  # K = 2: three branches (two conds)
     if branches == "mutant_switch":
         monkeypatch.setattr(engine, "_run_branch", lambda i, fns, c: jax.lax.switch(i, fns, c))
-    sizes = _cache_bytes(target, len(PROMPTS), 3), _cache_bytes(draft, len(PROMPTS), 3)
+    sizes = _cache_bytes(target, len(PROMPTS), 2), _cache_bytes(draft, len(PROMPTS), 2)
     extra = _temp(eng.lower(PROMPTS, seed=0, max_new_tokens=MAX_NEW)) - sum(sizes)
     assert (extra < min(sizes) / 2) is (branches == "conds"), (extra, sizes)
