@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import engine, keys, sampling
+from specjax import engine, sampling, verify
 from specjax.audit import chi_square_test
 from specjax.drafts import DraftModelProposer
 from specjax.models.llama import LlamaLM, tiny_config
@@ -38,9 +38,8 @@ class _Peek(engine.SpeculativeEngine):
     min(1, p/q), so the output leans toward the draft's law)."""
 
     def choose_k(self, c, costs, inputs):
-        row_keys = inputs[2]
-        u = jax.vmap(lambda rk: keys.uniform_open(keys.position_key(keys.role_key(rk, keys.ACCEPT), 0)))(
-            self.round_keys(c, row_keys))
+        # the uniforms the round's verifier draws its acceptances with (u_0: position 0)
+        u = jax.vmap(lambda rk: verify._acceptance_uniforms(rk, 1)[0])(self.round_keys(c, inputs[2]))
         return jnp.where(u < 0.5, 1, 0).astype(jnp.int32)
 
 
