@@ -165,13 +165,16 @@ def test_weights_are_staged_without_huge_page_advice(tmp_path, monkeypatch):
     write_gguf(tmp_path / "m.gguf", lm)
     save_hf(lm, tmp_path / "hf")
     seen.clear()
-    for advice in (True, False):
-        switch(advice)
-        load_gguf(tmp_path / "m.gguf")
-        load_hf(tmp_path / "hf")
-        assert seen == [False, False] and state() is advice
-        seen.clear()
-    switch(True)
+    original = state()
+    try:
+        for advice in (True, False):
+            switch(advice)
+            load_gguf(tmp_path / "m.gguf")
+            load_hf(tmp_path / "hf")
+            assert seen == [False, False] and state() is advice
+            seen.clear()
+    finally:
+        switch(original)
 
 
 def test_gguf_config_overrides(tmp_path):
