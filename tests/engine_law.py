@@ -5,12 +5,23 @@ the target's processed sampling law, enumerated over all V**N continuations.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from specjax import audit, sampling
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(apply, params, seqs, cache):
+    return apply(params, seqs, cache).logits
+
+
+# the enumeration runs every continuation through the model and the sampling pipeline:
+# compiled, one program each, instead of op by op (hundreds of small compiles per shape)
+_process = jax.jit(sampling.process_logits)
 
 
 def exact_chain_law(model, prompt, n: int, cfg: sampling.SamplingConfig) -> np.ndarray:
@@ -23,7 +34,7 @@ def exact_chain_law(model, prompt, n: int, cfg: sampling.SamplingConfig) -> np.n
     m = prefixes.shape[0]
     seqs = np.concatenate([np.tile(prompt, (m, 1)), prefixes], axis=1)
     cache = model.init_cache(m, seqs.shape[1] + 1)
-    logits = model.apply(model.params, jnp.asarray(seqs), cache).logits[:, p - 1:, :]  # [M, n, V]
+    logits = _logits(model.apply, model.params, jnp.asarray(seqs), cache)[:, p - 1:, :]  # [M, n, V]
     # history counts at each position (prompt + the continuation so far)
     base = np.bincount(prompt, minlength=v)
     counts = np.zeros((m, n, v), np.int32)
@@ -33,7 +44,7 @@ def exact_chain_law(model, prompt, n: int, cfg: sampling.SamplingConfig) -> np.n
             counts[np.arange(m), j, prefixes[:, i - 1]] += 1
     params = cfg.to_params(m)
     params = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (m, n)), params)
-    lp = np.asarray(sampling.process_logits(logits, params, counts=jnp.asarray(counts)), np.float64)
+    lp = np.asarray(_process(logits, params, counts=jnp.asarray(counts)), np.float64)
     pre = np.zeros(m)
     for i in range(n - 1):
         pre += lp[np.arange(m), i, prefixes[:, i]]
@@ -64,14 +75,14 @@ def exact_controlled_law(model, prompt, n: int, cfg: sampling.SamplingConfig, st
     m = seqs_all.shape[0]
     seqs = np.concatenate([np.tile(prompt, (m, 1)), seqs_all[:, :-1]], axis=1)
     cache = model.init_cache(m, seqs.shape[1] + 1)
-    logits = model.apply(model.params, jnp.asarray(seqs), cache).logits[:, p - 1:, :]  # [M, n, V]
+    logits = _logits(model.apply, model.params, jnp.asarray(seqs), cache)[:, p - 1:, :]  # [M, n, V]
     ctl = sampling.make_controls(m, v, stop_tokens=[stop], **{
         k: (np.broadcast_to(np.asarray(a), (m,) + np.shape(a)) if k == "min_new_tokens" else a)
         for k, a in controls.items()})
     params = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (m, n)), cfg.to_params(m))
     gen_index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (m, n))
-    lp = np.asarray(sampling.process_logits(logits, params, allowed=ctl.allowed_at(gen_index),
-                                            bias=ctl.bias_at(3)), np.float64)
+    lp = np.asarray(_process(logits, params, allowed=ctl.allowed_at(gen_index), bias=ctl.bias_at(3)),
+                    np.float64)
     with np.errstate(invalid="ignore"):
         logp = sum(lp[np.arange(m), i, seqs_all[:, i]] for i in range(n))
     w = np.exp(logp)
