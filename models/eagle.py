@@ -56,8 +56,8 @@ from flax import nnx
 
 from specjax.models.base import KVCache
 from specjax.models.cpu_kernels import use_attention
-from specjax.models.llama import (LlamaConfig, RopeScaling, _linear, apply_rope, kernel_attention, rms_norm,
-                                  rope_tables)
+from specjax.models.llama import (LlamaConfig, RopeScaling, _linear, _normal, _over_sqrt_fan_in, apply_rope,
+                                  kernel_attention, rms_norm, rope_tables)
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
 # the same names as specjax.models.llama's canonical weights; an EAGLE-3 head adds emb_norm
@@ -275,14 +275,13 @@ def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True)
     shapes = {k: v for k, v in trainable_shapes(cfg).items()
               if k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
-    layers = {n: jax.random.normal(kk, s, jnp.float32) / math.sqrt(s[-1])
-              for kk, (n, s) in zip(keys[1:], sorted(shapes.items()))}
+    layers = {n: _over_sqrt_fan_in(_normal(kk, s)) for kk, (n, s) in zip(keys[1:], sorted(shapes.items()))}
     layers["attn_norm"] = np.ones((L, D), np.float32)
     layers["mlp_norm"] = np.ones((L, D), np.float32)
     k = keys[0]
     # fc starts as "take the feature half" plus a small embedding contribution
     fc = np.concatenate([np.eye(D, dtype=np.float32),
-                         np.asarray(jax.random.normal(k, (D, D), jnp.float32)) * (0.1 / math.sqrt(D))])
+                         np.asarray(_normal(k, (D, D))) * (0.1 / math.sqrt(D))])
     out = {n: _np(layers[n]) for n in LAYER_KEYS}
     # small residual branches at the start: the head begins close to "copy the feature"
     out["wo"] = out["wo"] * 0.1
@@ -291,12 +290,12 @@ def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True)
     out["mlp_norm"] = np.ones_like(out["mlp_norm"])
     if cfg.eagle3:
         n = len(cfg.feature_layers)
-        fc = np.asarray(jax.random.normal(k, (n * D, D), jnp.float32)) * (0.1 / math.sqrt(n * D))
+        fc = np.asarray(_normal(k, (n * D, D))) * (0.1 / math.sqrt(n * D))
         deepest = int(np.argmax(cfg.feature_layers))
         fc[deepest * D:(deepest + 1) * D] += np.eye(D, dtype=np.float32)
         out["emb_norm"] = np.ones((L, D), np.float32)
     if not copy_feature:
-        fc = np.asarray(jax.random.normal(jax.random.fold_in(k, 1), fc.shape, jnp.float32)) / math.sqrt(fc.shape[0])
+        fc = np.asarray(_normal(jax.random.fold_in(k, 1), fc.shape)) / math.sqrt(fc.shape[0])
     out["fc"] = fc
     out["out_norm"] = np.ones((D,), np.float32)
     return out

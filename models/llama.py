@@ -998,20 +998,48 @@ class Llama(nnx.Module):
 # --------------------------------------------------------------------------------------
 
 
+_FLAT_DRAW_MAX = 1 << 20  # tensors of at most this many values: drawn flat (see _normal)
+
+
+def _normal(key, shape) -> Any:
+    """``jax.random.normal(key, shape)`` (float32), the same values. Outside a trace a
+    tensor of at most 2**20 values is the start of a flat draw of a power-of-two size,
+    reshaped on the host: with threefry's partitionable counters value i of a draw depends
+    only on the key and i (tests/test_model.py compares), so a process compiles one
+    normal program per size bucket instead of one per shape (~0.3 s each, which made a
+    tiny model's init take seconds). Traced (``init_model``'s jit) or larger: as is."""
+    n = math.prod(shape)
+    if (isinstance(key, jax.core.Tracer) or n > _FLAT_DRAW_MAX or not jax.config.jax_threefry_partitionable
+            or jax.config.jax_default_prng_impl != "threefry2x32"):
+        return jax.random.normal(key, shape, jnp.float32)
+    size = 1 << max(8, (n - 1).bit_length())
+    return np.asarray(jax.random.normal(key, (size,), jnp.float32))[:n].reshape(shape)
+
+
+def _over_sqrt_fan_in(x):
+    """``x / sqrt(x.shape[-1])`` as XLA computes it for a jax array, also for a numpy one
+    (XLA divides by a constant as x * (1 / c), with 1 / c in float32)."""
+    c = math.sqrt(x.shape[-1])
+    return x * (np.float32(1) / np.float32(c)) if isinstance(x, np.ndarray) else x / c
+
+
 def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
-    """Canonical weights with a scaled-normal init (std 1/sqrt(fan_in); embeddings std 1)."""
+    """Canonical weights with a scaled-normal init (std 1/sqrt(fan_in); embeddings std 1).
+    float32 jax arrays, or numpy ones for small tensors (:func:`_normal`; the same values:
+    the scaling is the float32 arithmetic XLA does)."""
     shapes = expected_shapes(cfg)
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     out = {}
     for key, (name, shp) in zip(keys, sorted(shapes.items())):
+        x = _normal(key, shp)
         if name.endswith("norm"):  # effective scale (norm_offset + w) around 1
-            out[name] = (1.0 - cfg.norm_offset) + 0.1 * jax.random.normal(key, shp, jnp.float32)
+            out[name] = (1.0 - cfg.norm_offset) + 0.1 * x
         elif name in ("bq", "bk", "bv"):
-            out[name] = 0.1 * jax.random.normal(key, shp, jnp.float32)
+            out[name] = 0.1 * x
         elif name == "embed":
-            out[name] = jax.random.normal(key, shp, jnp.float32)
+            out[name] = x
         else:
-            out[name] = jax.random.normal(key, shp, jnp.float32) / math.sqrt(shp[-1])
+            out[name] = _over_sqrt_fan_in(x)
     return out
 
 
