@@ -156,33 +156,28 @@ def test_random_init_is_seeded():
     assert not np.array_equal(a["wq"], c["wq"])
 
 
-@pytest.mark.parametrize("cfg", [tiny_config(vocab_size=8, n_layers=2),
-                                 tiny_config(vocab_size=65, n_layers=1, dim=32, qkv_bias=True, norm_offset=1.0),
-                                 tiny_config(vocab_size=16, n_layers=3, head_dim=12, qk_norm=True,
-                                             tie_embeddings=False)],
-                         ids=["law", "bias_offset", "qk_norm"])
-def test_random_weights_are_the_eager_draws_bit_for_bit(cfg):
+def test_random_weights_are_the_eager_draws_bit_for_bit():
     """random_weights draws small tensors as the start of a flat power-of-two draw (one
     compile per size, not per shape): the values are those of jax.random.normal(key, shape)
-    and the eager scaling, bit for bit; the traced path (init_model's jit) draws the same
-    law."""
+    and the eager scaling, bit for bit (one config with every kind of tensor: norms with an
+    offset, q/k norms, biases, an untied head)."""
     import math
 
     from specjax.models.llama import expected_shapes, random_weights
 
+    cfg = tiny_config(vocab_size=16, n_layers=2, head_dim=12, qk_norm=True, qkv_bias=True, norm_offset=1.0,
+                      tie_embeddings=False)
     shapes = sorted(expected_shapes(cfg).items())
+    assert {"bq", "q_norm", "lm_head", "embed", "wq"} <= {n for n, _ in shapes}
     keys = jax.random.split(jax.random.key(7), len(shapes))
     got = random_weights(cfg, 7)
-    assert any(isinstance(v, np.ndarray) for v in got.values())  # the flat path ran
+    assert all(isinstance(v, np.ndarray) for v in got.values())  # the flat path ran
     for key, (name, shp) in zip(keys, shapes):
         x = jax.random.normal(key, shp, jnp.float32)
         want = ((1.0 - cfg.norm_offset) + 0.1 * x if name.endswith("norm") else 0.1 * x if name in ("bq", "bk", "bv")
                 else x if name == "embed" else x / math.sqrt(shp[-1]))
-        assert np.asarray(got[name]).dtype == np.float32 and np.shape(got[name]) == shp, name
-        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want), err_msg=name)
-    traced = jax.jit(lambda: random_weights(cfg, 7))()
-    for name, _ in shapes:
-        np.testing.assert_allclose(np.asarray(traced[name]), np.asarray(got[name]), rtol=1e-6, atol=1e-6)
+        assert got[name].dtype == np.float32 and got[name].shape == shp, name
+        np.testing.assert_array_equal(got[name], np.asarray(want), err_msg=name)
 
 
 def test_untied_head_and_canonical_round_trip(seq):
