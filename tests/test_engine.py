@@ -103,9 +103,7 @@ def test_engine_law_qwen3_style_models():
     drf = _numpy_init(tiny_config(n_layers=1, **qwen3), seed=32)
     k, n, rows = 2, 4, 20_000
     cfg = CASES["t1"]
-    jitted = dataclasses.make_dataclass("Jitted", ["vocab_size", "params", "init_cache", "apply"])(
-        V, tgt.params, tgt.init_cache, jax.jit(tgt.apply))  # the enumeration, compiled
-    law = exact_chain_law(jitted, PROMPT, n, cfg)
+    law = exact_chain_law(tgt, PROMPT, n, cfg)
     eng = engine.SpeculativeEngine(tgt, DraftModelProposer(drf, k), "token")
     chi = chi_square_test(_engine_hist(eng, cfg, n, rows=rows, chunk=rows), law)
     assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
