@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                         "the median speedup and its range")
     g.add_argument("--repeats", type=int, default=3, help="timed passes of each with --compare (>= 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--no-compile-cache", action="store_true",
+                   help="do not keep compiled programs on disk (by default they are kept under "
+                        "~/.cache/specjax/xla, or $SPECJAX_CACHE_DIR/xla, so a later run of the same "
+                        "settings loads them instead of compiling; $SPECJAX_COMPILE_CACHE=0 also turns it off)")
     g.add_argument("--model", default=None,
                    help="a GGUF file, an HF checkpoint folder (config.json, safetensors, tokenizer.json) "
                         "or a model preset with such a checkpoint (default: $SPECJAX_GGUF, else the "
@@ -413,7 +417,7 @@ def run_generate(a) -> int:
     prompts = _check_args(a)
     import numpy as np
 
-    from specjax import build, sampling
+    from specjax import build, engine, sampling
 
     src = a.model_source
     tok, cfg = _tokenizer_and_config(src)
@@ -428,6 +432,7 @@ def run_generate(a) -> int:
         **settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
         presence_penalty=a.presence_penalty,
     ).to_params(len(ids))
+    compile_cache = None if a.no_compile_cache else engine.use_compile_cache()
     _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
     target = _load(src)
     common = dict(seed=a.seed, sampling_params=sp, max_new_tokens=a.max_new_tokens,
@@ -437,7 +442,7 @@ def run_generate(a) -> int:
               **({} if a.tree_spec is None else {"tree": a.tree_spec.describe()}),
               "sampling": dict(settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                                presence_penalty=a.presence_penalty, origin=origin),
-              "controls": controls, "streamed": stream_to is not None}
+              "controls": controls, "streamed": stream_to is not None, "compile_cache": compile_cache}
     greedy = a.method == "greedy"
     ar_eng = build.make_autoregressive_engine(target)
 

@@ -905,12 +905,103 @@ class _Sharded:
                 self.sharding.put_replicated(np.asarray(batch.use_penalties)))
 
 
+def cache_root() -> Path:
+    """specjax's on-disk state: ``$SPECJAX_CACHE_DIR``, by default ``~/.cache/specjax``."""
+    return Path(os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax"))
+
+
 def cost_file() -> Path:
     """Where adaptive K's measured cost tables are kept (one JSON file, keyed by
-    :meth:`SpeculativeEngine.cost_key`): ``$SPECJAX_CACHE_DIR/costs.json``, by default
-    under ``~/.cache/specjax``."""
-    root = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return Path(root) / "costs.json"
+    :meth:`SpeculativeEngine.cost_key`): ``costs.json`` under :func:`cache_root`."""
+    return cache_root() / "costs.json"
+
+
+COMPILE_CACHE_MAX_BYTES = 2 * 2 ** 30  # least recently used programs are dropped beyond this
+_CACHE_READ_ERROR = "Error reading persistent compilation cache entry"
+_CACHE_OFF_MARK = "DISABLED"
+
+
+def _host_tag() -> str:
+    """The host's kind of CPU (architecture and instruction-set flags) as a short hash: a
+    compiled CPU program is kept per kind, so a home folder shared by different machines
+    never offers one a program built for another's instruction set."""
+    import platform
+
+    flags = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), flags)
+    except OSError:
+        pass
+    return f"{platform.machine() or 'cpu'}-{hashlib.sha1(flags.encode()).hexdigest()[:12]}"
+
+
+def compile_cache_dir() -> Optional[Path]:
+    """The folder :func:`use_compile_cache` keeps compiled programs in for this host:
+    ``xla/<host>`` under :func:`cache_root`; None when ``$SPECJAX_COMPILE_CACHE`` is ``0`` or
+    when the folder is marked off (programs saved there did not load on this host)."""
+    if os.environ.get("SPECJAX_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    path = cache_root() / "xla" / _host_tag()
+    return None if (path / _CACHE_OFF_MARK).exists() else path
+
+
+def use_compile_cache() -> Optional[str]:
+    """Keep compiled programs on disk (JAX's persistent compilation cache), so that a later
+    process with the same programs loads them instead of compiling again (the command line's
+    speculative program for SmolLM2 on 2 CPU cores: 22 s to compile, 2.5 s to load). Call it
+    before the first compile that should be kept. A folder JAX already has
+    (``$JAX_COMPILATION_CACHE_DIR`` or ``jax_compilation_cache_dir``) is kept as it is;
+    otherwise :func:`compile_cache_dir`, least recently used programs dropped beyond
+    :data:`COMPILE_CACHE_MAX_BYTES`. Returns the folder in use, or None (off). Programs are
+    cached by their HLO, compile options, devices and JAX/XLA version, so a cached program
+    is the one a compile would give; if saved programs fail to load on this host, the
+    folder is marked off and the warning says so once."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    path = compile_cache_dir()
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"specjax: compiled programs are not kept on disk: cannot create {path}: {e}", file=sys.stderr)
+        return None
+    if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit
+        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    _watch_cache_reads(path)
+    return str(path)
+
+
+def _watch_cache_reads(path: Path) -> None:
+    """Turn JAX's warning about a cached program that did not load (e.g. its CPU features
+    check refuses it; JAX then compiles, so nothing is wrong but time) into one line, and
+    mark ``path`` off so that later processes on this host do not try again."""
+    import warnings
+
+    shown = warnings.showwarning
+    if getattr(shown, "_specjax_cache_watch", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if _CACHE_READ_ERROR not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        mark = path / _CACHE_OFF_MARK
+        if mark.exists():
+            return None
+        try:
+            mark.write_text(f"{message}\n")
+        except OSError:
+            pass
+        print(f"specjax: a compiled program saved in {path} did not load on this host (it was "
+              f"compiled again); compiled programs are not kept for this host from now on "
+              f"(JAX said: {str(message)[:300]})", file=sys.stderr)
+        return None
+
+    showwarning._specjax_cache_watch = True
+    warnings.showwarning = showwarning
 
 
 def _load_costs() -> dict:

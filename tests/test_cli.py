@@ -207,6 +207,11 @@ def test_generation_controls_from_the_command_line(hf_folder, capsys):
     assert report["texts"][0] and set(report["texts"][0]) <= chars
     assert report["controls"] == {"allowed_tokens": allow, "logit_bias": {"28": 3.0}}
     assert report["speculative"]["draft"] == str(hf_folder)
+    # compiled programs are kept on disk: here in the folder the suite gave JAX
+    # (tests/test_compile_cache.py: the CLI's own folder, loading, turning it off)
+    import jax
+
+    assert report["compile_cache"] == jax.config.jax_compilation_cache_dir
 
 
 @pytest.mark.real_model
