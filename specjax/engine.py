@@ -968,7 +968,10 @@ def use_compile_cache() -> Optional[str]:
     except OSError as e:
         print(f"specjax: compiled programs are not kept on disk: cannot create {path}: {e}", file=sys.stderr)
         return None
-    if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit
+    import importlib.util
+
+    # JAX's default is no limit; its eviction needs filelock (a dependency of specjax)
+    if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock"):
         jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
     jax.config.update("jax_compilation_cache_dir", str(path))
     _watch_cache_reads(path)
