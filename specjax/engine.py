@@ -955,8 +955,9 @@ def use_compile_cache() -> Optional[str]:
     otherwise :func:`compile_cache_dir`, least recently used programs dropped beyond
     :data:`COMPILE_CACHE_MAX_BYTES`. Returns the folder in use, or None (off). Programs are
     cached by their HLO, compile options, devices and JAX/XLA version, so a cached program
-    is the one a compile would give; if saved programs fail to load on this host, the
-    folder is marked off and the warning says so once."""
+    is the one a compile would give. A saved program that does not load is compiled again
+    and said in one line; one built for another kind of CPU marks the folder off for this
+    host, a damaged one is removed."""
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
@@ -978,10 +979,28 @@ def use_compile_cache() -> Optional[str]:
     return str(path)
 
 
+def _drop_unreadable(path: Path) -> int:
+    """Remove the saved programs in ``path`` that do not decompress (a process killed while
+    JAX wrote one: JAX never rewrites an entry that exists). Returns how many."""
+    try:
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:  # a JAX without it: leave the folder as it is
+        return 0
+    n = 0
+    for f in path.glob("*-cache"):
+        try:
+            decompress_executable(f.read_bytes())
+        except Exception:  # noqa: BLE001 (zlib and zstd raise their own errors)
+            f.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
 def _watch_cache_reads(path: Path) -> None:
-    """Turn JAX's warning about a cached program that did not load (e.g. its CPU features
-    check refuses it; JAX then compiles, so nothing is wrong but time) into one line, and
-    mark ``path`` off so that later processes on this host do not try again."""
+    """Turn JAX's warning about a saved program that did not load (JAX then compiles it, so
+    only time is lost) into one line, and act on it: a program built for another kind of
+    CPU (XLA's check of the host's features) marks ``path`` off for this host, so later
+    processes do not try again; a damaged entry is removed, so that it is written afresh."""
     import warnings
 
     shown = warnings.showwarning
@@ -989,18 +1008,20 @@ def _watch_cache_reads(path: Path) -> None:
         return
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
-        if _CACHE_READ_ERROR not in str(message):
+        text = str(message)
+        if _CACHE_READ_ERROR not in text:
             return shown(message, category, filename, lineno, file, line)
-        mark = path / _CACHE_OFF_MARK
-        if mark.exists():
-            return None
-        try:
-            mark.write_text(f"{message}\n")
-        except OSError:
-            pass
-        print(f"specjax: a compiled program saved in {path} did not load on this host (it was "
-              f"compiled again); compiled programs are not kept for this host from now on "
-              f"(JAX said: {str(message)[:300]})", file=sys.stderr)
+        if "machine" in text.lower() or "not supported on the host" in text:
+            try:
+                (path / _CACHE_OFF_MARK).write_text(text + "\n")
+            except OSError:
+                pass
+            what = "compiled programs are not kept for this host from now on"
+        else:
+            n = _drop_unreadable(path)
+            what = f"{n} damaged file(s) removed" if n else "the cache stays on"
+        print(f"specjax: a compiled program saved in {path} did not load (it was compiled again; "
+              f"{what}): {text[:300]}", file=sys.stderr)
         return None
 
     showwarning._specjax_cache_watch = True

@@ -1,6 +1,7 @@
 """Compiled programs kept on disk (``engine.use_compile_cache``, what the command line turns
 on): a later compile of the same program loads it, the results are the same, a folder JAX
-was given is left alone, and a saved program that does not load turns the folder off."""
+was given is left alone, a damaged entry is compiled again and replaced, and a program
+built for another kind of CPU turns the folder off for the host."""
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from specjax import engine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One process: compile (saved), drop the in-memory programs and compile again (loaded from
-# disk), then damage the saved files and compile again (the load fails: JAX compiles, and
-# the folder is marked off for this host). Every program is saved, however fast it compiles.
+# disk), then damage the saved file (as a process killed while writing it would) and compile
+# twice more (the load fails: compiled, the file replaced; then loaded again). Every program
+# is saved, however fast it compiles.
 _SCRIPT = r"""
 import json, pathlib, sys
 import jax, jax.numpy as jnp
@@ -36,9 +38,12 @@ def run():
             "misses": events.count("/jax/compilation_cache/cache_misses")}
 out = {"folder": folder, "max_size": jax.config.jax_compilation_cache_max_size, "first": run(), "again": run()}
 if folder:
-    for p in pathlib.Path(folder).glob("*-cache"):
+    saved = list(pathlib.Path(folder).glob("*-cache"))
+    for p in saved:
         p.write_bytes(b"not a program")
+    out["damaged_files"] = len(saved)
     out["damaged"] = run()
+    out["replaced"] = run()
     out["after"] = str(engine.compile_cache_dir())
 print(json.dumps(out))
 """
@@ -53,17 +58,19 @@ def _run(tmp_path, **env):
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
 
 
-def test_a_later_compile_loads_the_saved_program_and_a_broken_one_turns_the_cache_off(tmp_path):
+def test_a_later_compile_loads_the_saved_program_and_a_damaged_one_is_replaced(tmp_path):
     out, err = _run(tmp_path)
     folder = tmp_path / "xla" / engine._host_tag()
     assert out["folder"] == str(folder) and out["max_size"] == engine.COMPILE_CACHE_MAX_BYTES
     assert out["first"]["misses"] == 1 and out["first"]["hits"] == 0  # compiled and saved
     assert out["again"]["hits"] == 1 and out["again"]["misses"] == 0  # loaded, not compiled
     assert out["again"]["y"] == out["first"]["y"]
-    # a saved program that does not load: compiled again (same result), one line, folder off
-    assert out["damaged"]["y"] == out["first"]["y"]
-    assert err.count("did not load on this host") == 1, err[-2000:]
-    assert (folder / "DISABLED").exists() and out["after"] == "None"
+    # a damaged entry: compiled again (same result), one line, the file replaced, cache on
+    assert out["damaged"]["y"] == out["first"]["y"] and out["damaged"]["misses"] == 1
+    n = out["damaged_files"]
+    assert n >= 1 and err.count("did not load") == 1 and f"{n} damaged file(s) removed" in err, err[-2000:]
+    assert out["replaced"]["hits"] == 1 and out["replaced"]["y"] == out["first"]["y"]
+    assert out["after"] == str(folder) and not (folder / "DISABLED").exists()
 
     off, _ = _run(tmp_path / "off", SPECJAX_COMPILE_CACHE="0")  # the mutant: nothing kept
     assert off["folder"] is None and off["again"]["hits"] == 0 and off["again"]["y"] == out["first"]["y"]
@@ -77,3 +84,25 @@ def test_a_folder_jax_was_given_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     assert engine.use_compile_cache() == given and jax.config.jax_compilation_cache_dir == given
     assert not (tmp_path / "xla").exists()
+
+
+def test_a_program_built_for_another_cpu_turns_the_folder_off(tmp_path, monkeypatch, capsys):
+    """XLA refuses a CPU program compiled for features this host lacks (JAX then compiles):
+    the folder is marked off for this host, said in one line, other warnings pass through."""
+    import warnings
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    folder = engine.compile_cache_dir()
+    folder.mkdir(parents=True)
+    refused = ("Error reading persistent compilation cache entry for 'jit__program': XlaRuntimeError: "
+               "Target machine feature +avx512f is not supported on the host machine. Machine type used "
+               "for XLA:CPU compilation doesn't match the machine type for execution.")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine._watch_cache_reads(folder)
+        warnings.warn("something else")
+        warnings.warn(refused)
+    assert [str(w.message) for w in seen] == ["something else"]
+    assert (folder / "DISABLED").exists() and engine.compile_cache_dir() is None
+    err = capsys.readouterr().err
+    assert err.count("did not load") == 1 and "not kept for this host from now on" in err
