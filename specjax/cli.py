@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep compiled programs on disk (by default they are kept under "
                         "~/.cache/specjax/xla, or $SPECJAX_CACHE_DIR/xla, so a later run of the same "
-                        "settings loads them instead of compiling; $SPECJAX_COMPILE_CACHE=0 also turns it off)")
+                        "settings loads them instead of compiling; $SPECJAX_COMPILE_CACHE=0 also turns it off, "
+                        "as does this flag for a folder given by $JAX_COMPILATION_CACHE_DIR)")
     g.add_argument("--model", default=None,
                    help="a GGUF file, an HF checkpoint folder (config.json, safetensors, tokenizer.json) "
                         "or a model preset with such a checkpoint (default: $SPECJAX_GGUF, else the "
@@ -432,7 +433,7 @@ def run_generate(a) -> int:
         **settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
         presence_penalty=a.presence_penalty,
     ).to_params(len(ids))
-    compile_cache = None if a.no_compile_cache else engine.use_compile_cache()
+    compile_cache = engine.use_compile_cache(not a.no_compile_cache)
     _progress("loading the model" + ("" if a.model is None else f" {a.model}"))
     target = _load(src)
     common = dict(seed=a.seed, sampling_params=sp, max_new_tokens=a.max_new_tokens,

@@ -936,17 +936,21 @@ def _host_tag() -> str:
     return f"{platform.machine() or 'cpu'}-{hashlib.sha1(flags.encode()).hexdigest()[:12]}"
 
 
+def _cache_turned_off() -> bool:
+    return os.environ.get("SPECJAX_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def compile_cache_dir() -> Optional[Path]:
     """The folder :func:`use_compile_cache` keeps compiled programs in for this host:
     ``xla/<host>`` under :func:`cache_root`; None when ``$SPECJAX_COMPILE_CACHE`` is ``0`` or
     when the folder is marked off (programs saved there did not load on this host)."""
-    if os.environ.get("SPECJAX_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _cache_turned_off():
         return None
     path = cache_root() / "xla" / _host_tag()
     return None if (path / _CACHE_OFF_MARK).exists() else path
 
 
-def use_compile_cache() -> Optional[str]:
+def use_compile_cache(enable: bool = True) -> Optional[str]:
     """Keep compiled programs on disk (JAX's persistent compilation cache), so that a later
     process with the same programs loads them instead of compiling again (the command line's
     speculative program for SmolLM2 on 2 CPU cores: 22 s to compile, 2.5 s to load). Call it
@@ -957,7 +961,12 @@ def use_compile_cache() -> Optional[str]:
     cached by their HLO, compile options, devices and JAX/XLA version, so a cached program
     is the one a compile would give. A saved program that does not load is compiled again
     and said in one line; one built for another kind of CPU marks the folder off for this
-    host, a damaged one is removed."""
+    host, a damaged one is removed. ``enable=False`` (the command line's
+    ``--no-compile-cache``) or ``$SPECJAX_COMPILE_CACHE=0``: nothing is kept or loaded, not
+    even in a folder JAX was given."""
+    if not enable or _cache_turned_off():
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current

@@ -26,7 +26,7 @@ from jax import monitoring
 events = []
 monitoring.register_event_listener(lambda e, **kw: events.append(e))
 from specjax import engine
-folder = engine.use_compile_cache()
+folder = engine.use_compile_cache(sys.argv[1] != "off")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 f = lambda x: jnp.sin(x) * 2.0 + jnp.cumsum(x)
 x = jnp.linspace(0.0, 1.0, 16)
@@ -49,11 +49,11 @@ print(json.dumps(out))
 """
 
 
-def _run(tmp_path, **env):
+def _run(tmp_path, *args, **env):
     e = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "SPECJAX_COMPILE_CACHE")}
     e.update(SPECJAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    res = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=e, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _SCRIPT, *(args or ("on",))], capture_output=True, text=True, env=e, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
 
@@ -75,6 +75,12 @@ def test_a_later_compile_loads_the_saved_program_and_a_damaged_one_is_replaced(t
     off, _ = _run(tmp_path / "off", SPECJAX_COMPILE_CACHE="0")  # the mutant: nothing kept
     assert off["folder"] is None and off["again"]["hits"] == 0 and off["again"]["y"] == out["first"]["y"]
     assert not (tmp_path / "off" / "xla").exists()
+    # --no-compile-cache: not even a folder JAX was given is used
+    given = tmp_path / "given"
+    off, _ = _run(tmp_path / "flag", "off", JAX_COMPILATION_CACHE_DIR=str(given))
+    assert off["folder"] is None and off["again"]["hits"] == 0 and not list(given.glob("*-cache"))
+    on, _ = _run(tmp_path / "flag", JAX_COMPILATION_CACHE_DIR=str(given))  # without it: that folder
+    assert on["folder"] == str(given) and on["again"]["hits"] == 1 and list(given.glob("*-cache"))
 
 
 def test_a_folder_jax_was_given_is_kept(tmp_path, monkeypatch):
