@@ -19,11 +19,6 @@ os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-test-cache-")
 # model's, above all) is compiled once. It caches compiled executables by their HLO, so no
 # test sees anything but what a compile would give; set JAX_COMPILATION_CACHE_DIR to choose
 # the directory (it is then kept).
-# Every program is kept, not only those that compile in over a second (JAX's default): the
-# workers and the subprocesses compile many of the same small ones (a model's init, eager
-# ops), and reading one back is cheaper than compiling it (the subprocess-heavy files
-# test_readme, test_benchmark_quick and test_families: 178 s -> 167 s on 2 cores).
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _jax_cache = tempfile.mkdtemp(prefix="specjax-test-jaxcache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
@@ -33,6 +28,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     def _remove_jax_cache():
         if os.getpid() == _owner:
             shutil.rmtree(_jax_cache, ignore_errors=True)
+
+# Every program is kept, not only those that compile in over a second (JAX's default): the
+# workers and the subprocesses compile many of the same small ones (a model's init, eager
+# ops), and reading one back is cheaper than compiling it (the subprocess-heavy files
+# test_readme, test_benchmark_quick and test_families: 178 s -> 167 s on 2 cores).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def pytest_collection_modifyitems(config, items):
