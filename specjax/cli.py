@@ -368,6 +368,20 @@ def _run_once(eng, ids, batch_size, **kw):
     return eng.generate(ids, **kw)
 
 
+# a timed pass of a streamed --compare run: the streamed programs with one chunk that runs
+# to the end (start, ONE advance, finish: no host sync per chunk, the same loop as generate)
+_ONE_CHUNK = 2 ** 30
+
+
+def _run_timed(eng, ids, batch_size, streamed: bool, **kw):
+    """A timed --compare pass: :func:`_run_once`, or for a streamed run the programs the
+    streamed generation compiled (no whole-generation program is compiled just for timing;
+    both engines are timed this way, so the ratio compares like with like)."""
+    if streamed:
+        return eng.stream(ids, chunk=_ONE_CHUNK, **kw).run()
+    return _run_once(eng, ids, batch_size, **kw)
+
+
 def _compile_and_run(name, eng, ids, stream_to=None, tok=None, batch_size=16, **kw):
     """Compile (timed apart), then ONE generation: ``(output, seconds, compile seconds)``.
     ``stream_to`` (a text file): write the single row's text there as chunks commit it."""
@@ -479,21 +493,22 @@ def run_generate(a) -> int:
                                     "new_tokens": n}
         report["texts"] = _texts(ar, tok)
     elif a.compare:
-        if stream_to is not None:  # the timed passes run generate, not the streamed programs
-            _progress("compiling the speculative program for the timed passes")
-            eng.compile(ids, **common)
+        # a streamed run's timed passes reuse its streamed programs (a whole-generation
+        # k=auto program would be a second compile of every round branch: ~20 s for the
+        # default model on 2 cores); the autoregressive passes run the same way
+        streamed = stream_to is not None
         _progress("compiling the autoregressive program")
-        ar_eng.compile(ids, greedy=greedy, dataset_batch=a.batch_size if len(ids) > a.batch_size else None,
-                       **common)
+        ar_eng.compile(ids, greedy=greedy, stream=streamed,
+                       dataset_batch=a.batch_size if len(ids) > a.batch_size else None, **common)
         # alternate the two (same prompts, same seeds) so that a slow period hits both
         ratios, t_spec, t_ar = [], [], []
         for r in range(a.repeats):
             _progress(f"timing pass {r + 1}/{a.repeats}")
             t0 = time.perf_counter()
-            spec = _run_once(eng, ids, a.batch_size, **common)
+            spec = _run_timed(eng, ids, a.batch_size, streamed, **common)
             t_spec.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ar = _run_once(ar_eng, ids, a.batch_size, greedy=greedy, **common)
+            ar = _run_timed(ar_eng, ids, a.batch_size, streamed, greedy=greedy, **common)
             t_ar.append(time.perf_counter() - t0)
             ratios.append((sum(map(len, spec.tokens)) / t_spec[-1]) / (sum(map(len, ar.tokens)) / t_ar[-1]))
         n_ar = sum(len(t) for t in ar.tokens)

@@ -217,7 +217,8 @@ def test_generation_controls_from_the_command_line(hf_folder, capsys):
 @pytest.mark.real_model
 def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, monkeypatch):
     """A streamed --compare run: no program is compiled once the timed passes start (a pass
-    that compiled would report a bogus speedup)."""
+    that compiled would report a bogus speedup), and none but the streamed ones: the timed
+    passes of both engines reuse the streamed programs (no whole-generation ``_run``)."""
     from specjax import engine
 
     events = []
@@ -238,6 +239,7 @@ def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, 
     first_pass = events.index(("progress", "timing pass 1/2"))
     assert ("compiled", "_advance") in events[:first_pass]  # the streamed generation
     assert not [e for e in events[first_pass:] if e[0] == "compiled"], events
+    assert {e[1] for e in events if e[0] == "compiled"} == {"_start", "_advance", "_finish"}, events
 
 
 @pytest.mark.real_model
