@@ -368,17 +368,15 @@ def _run_once(eng, ids, batch_size, **kw):
     return eng.generate(ids, **kw)
 
 
-# a timed pass of a streamed --compare run: the streamed programs with one chunk that runs
-# to the end (start, ONE advance, finish: no host sync per chunk, the same loop as generate)
-_ONE_CHUNK = 2 ** 30
-
-
 def _run_timed(eng, ids, batch_size, streamed: bool, **kw):
     """A timed --compare pass: :func:`_run_once`, or for a streamed run the programs the
-    streamed generation compiled (no whole-generation program is compiled just for timing;
-    both engines are timed this way, so the ratio compares like with like)."""
+    streamed generation compiled, with one chunk that runs to the end (start, ONE advance,
+    finish: no host sync per chunk, the same loop as generate). No whole-generation program
+    is compiled just for timing; both engines are timed this way, like with like."""
     if streamed:
-        return eng.stream(ids, chunk=_ONE_CHUNK, **kw).run()
+        from specjax.engine import RUN_TO_THE_END
+
+        return eng.stream(ids, chunk=RUN_TO_THE_END, **kw).run()
     return _run_once(eng, ids, batch_size, **kw)
 
 

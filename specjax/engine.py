@@ -55,6 +55,7 @@ from specjax.sampling import process_rows, sample_rows
 METHODS = ("token", "block", "greedy", "tree")
 PAD_ID = verify.PAD_ID
 _NO_STOP = -2  # never a token id
+RUN_TO_THE_END = 2 ** 30  # the ``until`` of an advance that runs to the end (any generation)
 
 
 # --------------------------------------------------------------------------------------
@@ -639,7 +640,7 @@ class _Sharded:
 
         def run(*a):
             with self._context():
-                return finish(advance(start(*a), *rest, np.int32(2 ** 30), np.bool_(False)))
+                return finish(advance(start(*a), *rest, np.int32(RUN_TO_THE_END), np.bool_(False)))
 
         return run
 
@@ -830,7 +831,7 @@ class _Sharded:
             carry = start(*args)
             rest = self._advance_inputs(args)
             while True:
-                carry = advance(carry, *rest, np.int32(2 ** 30), np.bool_(True))
+                carry = advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(True))
                 done = np.asarray(jax.device_get(carry.state.done))
                 finished = [s for s in range(len(slots)) if slots[s] is not None and done[s]]
                 if finished:

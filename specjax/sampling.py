@@ -428,7 +428,6 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     k = jnp.clip(top_k, 1, v)
     t_k = jnp.where(topk_on, jnp.take_along_axis(cand, (jnp.minimum(k, m) - 1)[:, None],
                                                  axis=-1)[:, 0], _NEG_INF)
-    slow_k = topk_on & (k > m)
 
     # top-p on the distribution renormalized after top-k; S(c_j) = mass strictly above c_j.
     lse_k = _log_mass(jnp.where(z >= t_k[:, None], z, _NEG_INF))
@@ -436,13 +435,14 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     above = _mass_above(c, jnp.exp(c - lse_k[:, None]))
     ok = (above < top_p[:, None]) & (c > _NEG_INF)
     t_p = jnp.where(topp_on, jnp.min(jnp.where(ok, c, jnp.inf), axis=-1), _NEG_INF)
-    # The cut lies among the candidates iff the last one is already cut (or -inf).
-    resolved = (m == v) | (c[:, -1] == _NEG_INF) | (above[:, -1] >= top_p)
     if m == v:
-        # every value is a candidate, so every cut lies among them (k <= V = M, and
-        # ``resolved`` is all True): the bisection could never run, and is not compiled
-        # (a small vocabulary's program, e.g. the tests' models, is ~20% fewer kernels)
+        # every value is a candidate, so every cut lies among them (k <= V = M): the
+        # bisection could never run, and is not compiled (a small vocabulary's program,
+        # e.g. the tests' models, is ~20% fewer kernels)
         return jnp.maximum(t_k, t_p)
+    slow_k = topk_on & (k > m)
+    # The cut lies among the candidates iff the last one is already cut (or -inf).
+    resolved = (c[:, -1] == _NEG_INF) | (above[:, -1] >= top_p)
     slow = slow_k | (topp_on & ~resolved)
     t_k, t_p = jax.lax.cond(
         jnp.any(slow),
