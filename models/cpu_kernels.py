@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_ROWS = 16  # up to this M the matmul streams the weights once; above, its many-row path (same sums)
+MAX_ROWS = 64  # up to this M the matmul streams the weights once; above, its many-row path (same sums)
 COL_MULTIPLE = 64
 KERNEL_MODES = ("auto", "kernel", "xla")
 TARGET_NAME = "specjax_small_matmul"

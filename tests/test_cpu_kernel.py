@@ -24,7 +24,7 @@ def _ref(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 16, 37, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 16, 37, 64, 80])
 @pytest.mark.parametrize("k,n", [(1, 64), (7, 192), (70, 128), (576, 960), (300, 4160), (40, 100)])
 def test_matches_float64_reference(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
@@ -60,13 +60,14 @@ def test_float16_weights_match_the_float64_product_of_their_values(m, k, n):
 
 def test_row_results_do_not_depend_on_the_batch():
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((40, 576), dtype=np.float32)
+    x = rng.standard_normal((ck.MAX_ROWS + 11, 576), dtype=np.float32)
     w = rng.standard_normal((576, 1536), dtype=np.float32)
     f = jax.jit(ck.small_matmul)
-    full = np.asarray(f(x, w))  # 40 rows: the many-row path
-    small = np.asarray(f(x[:13], w))  # the small-M path
+    full = np.asarray(f(x, w))  # more than MAX_ROWS rows: the many-row path
+    small = np.asarray(f(x[:13], w))  # the small-M path (3 register groups, 64-row tiles)
     np.testing.assert_array_equal(small, full[:13])
-    for i in (0, 5, 6, 12, 17, 39):  # first / inside / start of a second register group / last
+    np.testing.assert_array_equal(np.asarray(f(x[:ck.MAX_ROWS], w)), full[:ck.MAX_ROWS])
+    for i in (0, 5, 6, 12, 17, ck.MAX_ROWS + 10):  # first / inside / start of a second register group / last
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
     np.testing.assert_array_equal(np.asarray(f(x[3:9], w)), full[3:9])
 
