@@ -118,6 +118,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECJAX_KERNEL_CACHE", Path.home() / ".cache" / "specjax" / "kernels"))
 
 
+@functools.lru_cache(maxsize=None)
+def build_id(cxx: str) -> str:
+    """What a kernel build is made of (sources, compiler, flags, jaxlib, CPU flags), hashed:
+    the name of the cached library, and part of the key of measured round costs (a table
+    measured with other kernels is not reused)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    h = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), repr(version).encode(), repr(CXX_FLAGS).encode(),
+                 jax.__version__.encode(), importlib.metadata.version("jaxlib").encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def kernels_id() -> str:
+    """:func:`build_id` of the kernels this process would build ("" without a compiler);
+    builds nothing."""
+    cxx = compiler()
+    if cxx is None or not all(src.exists() for src in (*SOURCES, *HEADERS)):
+        return ""
+    return build_id(cxx)
+
+
 def build(force: bool = False) -> Path:
     """Compile the kernels (or find them in the cache) into one shared library; return its
     path. Raises RuntimeError with the compiler's output if they cannot be built."""
@@ -128,14 +152,7 @@ def build(force: bool = False) -> Path:
         if not src.exists():
             raise RuntimeError(f"kernel source missing: {src}")
     include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), repr(version).encode(), repr(CXX_FLAGS).encode(),
-                 jax.__version__.encode(), importlib.metadata.version("jaxlib").encode(),
-                 _cpu_flags().encode()):
-        h.update(part)
-        h.update(b"\0")
-    out = cache_dir() / f"specjax_kernels-{h.hexdigest()[:16]}.so"
+    out = cache_dir() / f"specjax_kernels-{build_id(cxx)}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

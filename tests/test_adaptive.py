@@ -204,6 +204,12 @@ def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch)
     streamed.compile([[1, 2, 3]], stream=True, seed=0, max_new_tokens=8)
     assert streamed.has_costs(1) and engine._load_costs().get(streamed.cost_key(1)) is not None
     assert {sig[0] for sig in streamed._compiled} == {"_start", "_advance", "_finish"}
+    # other CPU kernels (a new build of models/kernels): the table is measured again
+    key = eng.cost_key(2)
+    monkeypatch.setattr(engine.cpu_kernels, "kernels_id", lambda: "another-build")
+    rebuilt = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+    if jax.devices()[0].platform == "cpu":
+        assert rebuilt.cost_key(2) != key and not rebuilt.has_costs(2)
     with pytest.raises(ValueError, match="K\\+1"):
         eng.set_costs(2, [1.0, 2.0])
     with pytest.raises(ValueError, match="positive"):
