@@ -141,6 +141,14 @@ class LanguageModel(Protocol):
     def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden=False) -> ModelOutput: ...
 
     # optional: ``supports_tree = True`` and ``apply(..., tree=TreeAttention)`` (see above)
+    # optional: ``compute_id() -> str``, see :func:`compute_id`
+
+
+def compute_id(model) -> str:
+    """What besides its config and parameters sets the cost of a model's forward (e.g. the
+    build of the project's CPU kernels): the model's optional ``compute_id()``, else ""."""
+    f = getattr(model, "compute_id", None)
+    return f() if callable(f) else ""
 
 
 PREFILL_CHUNK = 512  # prompt tokens per forward in :func:`prefill` (a power of two)

@@ -142,6 +142,15 @@ def kernels_id() -> str:
     return build_id(cxx)
 
 
+def compute_id(mode: str) -> str:
+    """What of this module a model with ``cpu_kernels=mode`` runs through, for the key of
+    measured costs: :func:`kernels_id` where the kernels may run (mode not "xla", CPU
+    backend), else ""."""
+    if mode == "xla" or jax.default_backend() != "cpu":
+        return ""
+    return kernels_id()
+
+
 def build(force: bool = False) -> Path:
     """Compile the kernels (or find them in the cache) into one shared library; return its
     path. Raises RuntimeError with the compiler's output if they cannot be built."""

@@ -55,6 +55,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.models.base import KVCache
+from specjax.models.cpu_kernels import compute_id as kernels_compute_id
 from specjax.models.cpu_kernels import use_attention
 from specjax.models.llama import (LlamaConfig, RopeScaling, _linear, _normal, _over_sqrt_fan_in, apply_rope,
                                   kernel_attention, rms_norm, rope_tables)
@@ -521,6 +522,11 @@ class EagleModel:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def compute_id(self) -> str:
+        """The build of the CPU kernels this head may run (see
+        :func:`specjax.models.base.compute_id`)."""
+        return kernels_compute_id(self.config.layer_config().cpu_kernels)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         lc = self.config.layer_config()

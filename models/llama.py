@@ -62,6 +62,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec as P
 
 from specjax.models.base import KVCache, ModelOutput, TreeAttention, hidden_indices
+from specjax.models.cpu_kernels import compute_id as kernels_compute_id
 from specjax.models.cpu_kernels import (KERNEL_MODES, attention_raw, rms_norm_raw, small_matmul, small_matmul_stacked,
                                         use_attention, use_rms_norm, use_small_matmul, use_small_matmul_stacked)
 
@@ -1085,6 +1086,11 @@ class LlamaLM:
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
 
     supports_tree = True  # apply(..., tree=TreeAttention): see specjax.models.base
+
+    def compute_id(self) -> str:
+        """The build of the CPU kernels this model's forward may run (see
+        :func:`specjax.models.base.compute_id`)."""
+        return kernels_compute_id(self.config.cpu_kernels)
 
     def apply(self, params, tokens: jax.Array, cache: KVCache, return_hidden=False,
               tree: Optional[TreeAttention] = None) -> ModelOutput:

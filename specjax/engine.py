@@ -49,8 +49,7 @@ import numpy as np
 from specjax import keys, sampling, tree as _tree, verify
 from specjax.drafts.base import (ChainTreeProposer, CommitContext, ProposeContext, Proposer, hidden_request,
                                  is_tree_proposer)
-from specjax.models import cpu_kernels
-from specjax.models.base import PREFILL_CHUNK, TreeAttention, move_slots, prefill
+from specjax.models.base import PREFILL_CHUNK, TreeAttention, compute_id, move_slots, prefill
 from specjax.sampling import process_rows, sample_rows
 
 METHODS = ("token", "block", "greedy", "tree")
@@ -1662,9 +1661,9 @@ class SpeculativeEngine(_Sharded):
         """What a cost table is measured for: device, target, proposer, K, method, batch, and
         on CPU the build of the project's kernels (new kernels: measured again)."""
         dev = jax.devices()[0]
-        kernels = cpu_kernels.kernels_id() if dev.platform == "cpu" else ""
         prop = self.proposer
         draft = getattr(getattr(prop, "model", None), "config", None)
+        kernels = (compute_id(self.target), compute_id(getattr(prop, "model", None)))
         what = repr((dev.platform, getattr(dev, "device_kind", ""), jax.device_count(), os.cpu_count(),
                      repr(getattr(self.target, "config", type(self.target).__name__)),
                      str(jax.tree.leaves(self.target.params)[0].dtype) if self.target.params is not None else "",

@@ -13,6 +13,7 @@ import pytest
 from specjax import engine, sampling, verify
 from specjax.audit import chi_square_test
 from specjax.drafts import DraftModelProposer
+from specjax.models import cpu_kernels
 from specjax.models.llama import LlamaLM, tiny_config
 from tests.engine_law import exact_chain_law, histogram
 
@@ -206,7 +207,7 @@ def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch)
     assert {sig[0] for sig in streamed._compiled} == {"_start", "_advance", "_finish"}
     # other CPU kernels (a new build of models/kernels): the table is measured again
     key = eng.cost_key(2)
-    monkeypatch.setattr(engine.cpu_kernels, "kernels_id", lambda: "another-build")
+    monkeypatch.setattr(cpu_kernels, "kernels_id", lambda: "another-build")
     rebuilt = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
     if jax.devices()[0].platform == "cpu":
         assert rebuilt.cost_key(2) != key and not rebuilt.has_costs(2)
