@@ -1,0 +1,125 @@
+"""Compare builds of the matmul kernel in one process (a benchmark, not a test).
+
+    python scripts/bench_matmul_builds.py --rev HEAD~1 [--rev HEAD] [--ms 1,7,10,12,16,17,32] [--rounds 9]
+
+Each ``--rev`` is a git revision of ``models/kernels/small_matmul.cc`` (``.`` for the working
+tree; the default compares HEAD with the working tree). Every source is built with the
+project's flags (``cpu_kernels.CXX_FLAGS``, the ``common.h`` of the working tree) into a
+temporary folder and registered as its own FFI target, so all builds run in the same
+process and are timed alternately, round by round: a shared machine's slow spells then
+hit every build alike (timing them in separate processes on 2 shared cores moved the
+numbers by up to 30%).
+
+The workload: the matmuls of one float32 SmolLM2-135M step (30 layers of q, k, v, o, gate,
+up, down with their shapes, then the 576 x 49,152 LM head; random weights, distinct per
+layer, so they stream from memory as in a real step) for M rows, in one jitted call.
+Prints, per M, each build's median ms and its median ratio to the first build's time in
+the same round, and checks that every build gives the first one's bits.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "models/kernels/small_matmul.cc"
+# SmolLM2-135M's layer matrices ([in, out]) and its tied LM head
+LAYER_SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))
+HEAD_SHAPE = (576, 49152)
+
+
+def source_at(rev: str) -> str:
+    if rev == ".":
+        return (ROOT / SOURCE).read_text()
+    r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench_matmul_builds: no {SOURCE} at {rev!r}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def build(rev: str, i: int, out: Path) -> str:
+    """Build the kernel at ``rev`` and register its handler as target ``bench_mm_<i>``."""
+    from specjax.models import cpu_kernels as ck
+
+    cxx = ck.compiler()
+    if cxx is None:
+        raise SystemExit("bench_matmul_builds: no C++ compiler")
+    src = out / f"small_matmul_{i}.cc"
+    src.write_text(source_at(rev))
+    (out / "common.h").write_text((ROOT / "models/kernels/common.h").read_text())
+    lib = out / f"small_matmul_{i}.so"
+    r = subprocess.run([cxx, *ck.CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(lib)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench_matmul_builds: building {rev} failed:\n{r.stderr[-3000:]}")
+    name = f"bench_mm_{i}"
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handle.SpecjaxSmallMatmul), platform="cpu")
+    return name
+
+
+def step_matmuls(target: str, m: int):
+    """One jitted call: every matmul of a step for ``m`` rows through FFI target ``target``."""
+
+    @jax.jit
+    def f(x, ws):
+        outs = []
+        for w in ws:
+            k, n = w.shape
+            xi = x if k == x.shape[1] else jnp.tile(x, (1, k // x.shape[1] + 1))[:, :k]
+            y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(xi, w)
+            outs.append(y[:, :8])
+        return jnp.concatenate(outs, axis=1)
+
+    return f
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", action="append", help="git revision of the kernel source, or '.' (repeatable)")
+    ap.add_argument("--ms", default="1,7,10,12,16,17,32", help="row counts M")
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args(argv)
+    revs = args.rev or ["HEAD", "."]
+    ms = [int(v) for v in args.ms.split(",")]
+    if jax.default_backend() != "cpu":
+        raise SystemExit("bench_matmul_builds: the kernels are for the CPU backend")
+
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02) for _ in range(30) for s in LAYER_SHAPES]
+    ws.append(jnp.asarray(rng.standard_normal(HEAD_SHAPE, dtype=np.float32) * 0.02))
+    with tempfile.TemporaryDirectory(prefix="specjax-mm-builds-") as tmp:
+        targets = [build(rev, i, Path(tmp)) for i, rev in enumerate(revs)]
+        print(f"builds: {', '.join(revs)} (ratios to {revs[0]}, same round)", flush=True)
+        for m in ms:
+            x = jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32))
+            fs = [step_matmuls(t, m) for t in targets]
+            ref = np.asarray(fs[0](x, ws))
+            for rev, f in zip(revs[1:], fs[1:]):
+                if not np.array_equal(np.asarray(f(x, ws)), ref):
+                    raise SystemExit(f"bench_matmul_builds: {rev} gives other bits than {revs[0]} at M={m}")
+            times = np.zeros((args.rounds, len(fs)))
+            for r in range(args.rounds):
+                for j, f in enumerate(fs):
+                    t0 = time.perf_counter()
+                    f(x, ws).block_until_ready()
+                    times[r, j] = time.perf_counter() - t0
+            cells = [f"{rev}: {np.median(times[:, j]) * 1e3:7.2f} ms (x{np.median(times[:, j] / times[:, 0]):.2f})"
+                     for j, rev in enumerate(revs)]
+            print(f"M={m:3d}  " + "  ".join(cells) + ("  (same bits)" if len(fs) > 1 else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
