@@ -5,12 +5,14 @@
 
 For each batch size: the adaptive engine's cost table (measured now with ``--fresh-costs``,
 into a temporary cache directory, else read or measured as ``generate`` would), then per
-temperature the autoregressive engine, k=auto and the autoregressive engine again on the
-same rows of ``configs/bench/prompts.txt`` (no stop tokens), each the median of 3 timed
-calls after a warm-up; the speedup uses the mean of the two autoregressive timings.
-``--ks``: fixed-K engines timed the same way, after k=auto (for "within 5% of the best
-fixed K"); ``--groups G``: each timed call runs G batches of different prompts one after
-another (at batch 1, one prompt is a poor sample of the text).
+temperature the autoregressive engine, k=auto and the ``--ks`` fixed-K engines (for "within
+5% of the best fixed K") on the same rows of ``configs/bench/prompts.txt`` (no stop
+tokens): after a warm-up call each, ``--passes`` passes that time every engine once, in
+turn; a speedup is the median over passes of the pass's autoregressive time over the
+engine's (a slow spell of a shared machine, often seconds long, then hits an engine and its
+reference alike; timing each engine's calls in a block moved ratios by up to 25%). Times
+printed are medians. ``--groups G``: each timed call runs G batches of different prompts
+one after another (at batch 1, one prompt is a poor sample of the text).
 A smaller, faster check than ``scripts/bench_schedule.py``'s grid.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-costs", action="store_true", help="measure the cost tables anew (temporary cache)")
     ap.add_argument("--ks", default="", help="fixed K values to time as well, e.g. 2,3")
     ap.add_argument("--groups", type=int, default=1, help="batches of different prompts per timed call")
+    ap.add_argument("--passes", type=int, default=7, help="timed passes over all engines")
     a = ap.parse_args(argv)
     if a.fresh_costs:
         os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-costs-")
@@ -64,30 +67,33 @@ def main(argv=None) -> int:
             def run(eng):
                 return [eng.generate(g, seed=0, sampling_params=sp, max_new_tokens=a.max_new) for g in groups]
 
-            def timed(eng):
-                run(eng)
-                ts, outs = [], None
-                for _ in range(3):
-                    t = time.perf_counter()
-                    outs = run(eng)
-                    ts.append(time.perf_counter() - t)
-                return float(np.median(ts)), outs
-
             def k_rounds(outs):
                 return np.sum([np.asarray(o.raw["k_rounds"]) for o in outs], axis=0).tolist()
 
-            t_ar, _ = timed(ar)
-            t_auto, outs = timed(auto)
-            fixed_s = {k: timed(eng)[0] for k, eng in fixed.items()}
-            t_ar2, _ = timed(ar)
-            ar_s = (t_ar + t_ar2) / 2
-            row = dict(batch=b, temperature=temp, groups=a.groups, ar_s=round(t_ar, 3),
-                       ar_again_s=round(t_ar2, 3), auto_s=round(t_auto, 3),
-                       speedup=round(ar_s / t_auto, 3), rounds_by_draft_tokens=k_rounds(outs))
-            for k, t in fixed_s.items():
-                row[f"k{k}_s"], row[f"k{k}_speedup"] = round(t, 3), round(ar_s / t, 3)
-            if fixed_s:
-                row["auto_vs_best_fixed"] = round(min(fixed_s.values()) / t_auto, 3)
+            engines = {"ar": ar, "auto": auto, **{f"k{k}": eng for k, eng in fixed.items()}}
+            outs = {name: run(eng) for name, eng in engines.items()}  # warm-up
+            times = {name: [] for name in engines}
+            for _ in range(a.passes):
+                for name, eng in engines.items():
+                    t = time.perf_counter()
+                    run(eng)
+                    times[name].append(time.perf_counter() - t)
+            ts = {name: np.asarray(v) for name, v in times.items()}
+
+            def med(name):
+                return round(float(np.median(ts[name])), 3)
+
+            def speedup(name):
+                return round(float(np.median(ts["ar"] / ts[name])), 3)
+
+            row = dict(batch=b, temperature=temp, groups=a.groups, passes=a.passes, ar_s=med("ar"),
+                       auto_s=med("auto"), speedup=speedup("auto"),
+                       speedup_quartiles=[round(float(x), 3) for x in np.quantile(ts["ar"] / ts["auto"], [0.25, 0.75])],
+                       rounds_by_draft_tokens=k_rounds(outs["auto"]))
+            for k in fixed:
+                row[f"k{k}_s"], row[f"k{k}_speedup"] = med(f"k{k}"), speedup(f"k{k}")
+            if fixed:
+                row["auto_vs_best_fixed"] = round(min(float(np.median(ts[f"k{k}"] / ts["auto"])) for k in fixed), 3)
             print(json.dumps(row), flush=True)
     return 0
 
