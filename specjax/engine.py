@@ -450,8 +450,9 @@ AUTO_PROBE_MAX = 256  # ... and after each probe that leaves drafting unpaid, tw
 AUTO_PROBE_SHARE = 0.01  # ... and never more often than keeps probes' extra cost under 1%
 # part of every cost table's key: bumped when the rounds' code or the way they are measured
 # changes, so that tables measured before are not used (2: interleaved calibration passes;
-# 3: the branches of j no longer copy the caches, drafting costs smoothed)
-COST_MODEL_VERSION = 3
+# 3: the branches of j no longer copy the caches, drafting costs smoothed; 4: rounds timed
+# without the prefill, one length, 4 passes)
+COST_MODEL_VERSION = 4
 
 
 def smooth_costs(cost) -> np.ndarray:
@@ -1672,18 +1673,19 @@ class SpeculativeEngine(_Sharded):
         return f"{hashlib.sha256(what.encode()).hexdigest()[:24]}/b{int(batch_size)}"
 
     def calibrate(self, batch_size: int, *, like: Optional[Batch] = None, prompt_len: int = 32,
-                  new_tokens=(8, 32), repeats: int = 2, save: bool = True,
+                  new_tokens: int = 32, repeats: int = 4, save: bool = True,
                   streamed: bool = False) -> np.ndarray:
         """Measure the cost (seconds) of a round that drafts j = 0..K tokens at
-        ``batch_size``: generations of ``new_tokens`` lengths (random prompts, T=1, no stop)
-        with j forced, the per-round cost being the time difference over the difference in
-        rounds (prefill cancels). Every (j, length) runs once per pass and the passes repeat
-        (``repeats`` after a warm-up pass), keeping each one's fastest time, so that a slow
-        spell of a shared machine does not skew the ratios between j. ``like`` (a prepared batch of that size): run its program
-        (buffer sizes, controls), so that nothing more is compiled; ``streamed``: time it
-        through the streamed programs (``_start``, ``_advance``, ``_finish``) that a streamed
-        or dataset run of ``like`` uses, not the whole-generation one. Sets the table
-        (:meth:`set_costs`) and saves it to the cost file."""
+        ``batch_size``: a generation of ``new_tokens`` tokens per row (random prompts, T=1,
+        no stop) with j forced, timed without its prefill, over its number of rounds. Every j
+        runs once per pass and the passes repeat (``repeats`` after a warm-up pass), keeping
+        each j's fastest time, so that a slow spell of a shared machine does not skew the
+        ratios between j. ``like`` (a prepared batch of that size): run its program (buffer
+        sizes, controls); ``streamed``: time it through the streamed programs (``_start``,
+        ``_advance``, ``_finish``) that a streamed or dataset run of ``like`` uses, the
+        rounds being one ``_advance``; else the whole-generation program less the time of
+        ``_start`` (the prefill, compiled for this). Sets the table (:meth:`set_costs`) and
+        saves it to the cost file."""
         if not self.adaptive:
             raise ValueError("calibrate is for an adaptive-K engine (k='auto')")
         b = int(batch_size)
@@ -1691,47 +1693,66 @@ class SpeculativeEngine(_Sharded):
         width = bucket(prompt_len) if like is None else like.prompts.shape[1]
         plen = min(int(prompt_len), width)
         prompts = rng.integers(0, self.target.vocab_size, (b, plen))
-        runs = []  # (j, n, executable, args): one program, j forced by the cost argument
+        n = int(new_tokens)
+        timers = []  # per j: a function that runs the generation once -> (seconds of its rounds, rounds)
         for j in range(self.k + 1):
-            forced = np.full(self.k + 1, np.inf)
+            forced = np.full(self.k + 1, np.inf)  # one program, j forced by the cost argument
             forced[j] = 1.0
-            for n in new_tokens:
-                batch = self.prepare(prompts, seed=0, max_new_tokens=int(n),
-                                     sampling_params=sampling.SamplingConfig(temperature=1.0))
-                if like is not None:  # the call's program: its sizes, controls and penalties flag
-                    if like.size != b:
-                        raise ValueError(f"like has {like.size} rows, calibrating batch {b}")
-                    n = min(int(n), like.out_cap)
-                    pad = np.zeros((b, width), np.int32)
-                    pad[:, :plen] = prompts
-                    batch = dataclasses.replace(
-                        like, prompts=pad, prompt_lens=np.full(b, plen, np.int32), row_keys=batch.row_keys,
-                        params=batch.params, max_new=np.full(b, n, np.int32),
-                        stop_ids=np.full_like(like.stop_ids, _NO_STOP))
-                args, static = self._call_args(batch, costs=forced)
-                runs.append((j, int(n), self._streamed_run(args, static) if streamed
-                             else self._executable(args, static), args))
-        # every (j, n) once per pass, passes repeated, the fastest pass kept: a slow spell of a
-        # shared machine hits all j alike instead of skewing their ratios (the rule reads ratios)
-        best, iters = {}, {}
+            batch = self.prepare(prompts, seed=0, max_new_tokens=n,
+                                 sampling_params=sampling.SamplingConfig(temperature=1.0))
+            if like is not None:  # the call's program: its sizes, controls and penalties flag
+                if like.size != b:
+                    raise ValueError(f"like has {like.size} rows, calibrating batch {b}")
+                pad = np.zeros((b, width), np.int32)
+                pad[:, :plen] = prompts
+                batch = dataclasses.replace(
+                    like, prompts=pad, prompt_lens=np.full(b, plen, np.int32), row_keys=batch.row_keys,
+                    params=batch.params, max_new=np.full(b, min(n, like.out_cap), np.int32),
+                    stop_ids=np.full_like(like.stop_ids, _NO_STOP))
+            args, static = self._call_args(batch, costs=forced)
+            timers.append(self._round_timer(args, static, streamed))
+        # every j once per pass, passes repeated, the fastest kept: a slow spell of a shared
+        # machine hits all j alike instead of skewing their ratios (the rule reads ratios)
+        best = np.full(self.k + 1, np.inf)
         for rep in range(repeats + 1):  # the first pass warms up
-            for j, n, exe, args in runs:
-                t0 = time.perf_counter()
-                it = int(jax.device_get(exe(*args)["iterations"]))
-                dt = time.perf_counter() - t0
+            for j, timer in enumerate(timers):
+                dt, rounds = timer()
                 if rep:
-                    best[j, n] = min(best.get((j, n), np.inf), dt)
-                    iters[j, n] = it
-        cost = np.zeros(self.k + 1)
-        ns = sorted({n for _, n, _, _ in runs})
-        n0, n1 = ns[0], ns[-1]
-        for j in range(self.k + 1):
-            cost[j] = max((best[j, n1] - best[j, n0]) / max(iters[j, n1] - iters[j, n0], 1), 1e-9)
-        cost = smooth_costs(cost)
+                    best[j] = min(best[j], max(dt, 1e-9) / max(rounds, 1))
+        cost = smooth_costs(best)
         self.set_costs(b, cost)
         if save:
             _save_costs(self.cost_key(b), cost.tolist())
         return cost
+
+    def _round_timer(self, args, static, streamed: bool):
+        """For :meth:`calibrate`: a function running one generation of ``args`` and returning
+        (seconds spent in its rounds, its number of rounds). Streamed: the time of the one
+        ``_advance`` after an untimed ``_start``. Whole program: its time less a separate
+        run of ``_start`` (the prefill and set-up it begins with)."""
+        start = self._executable(args, static, "_start")
+        if streamed:
+            _, advance, finish = self._stream_executables(args, static)
+            rest = self._advance_inputs(args)
+
+            def timer():
+                with self._context():
+                    carry = jax.block_until_ready(start(*args))
+                    t0 = time.perf_counter()
+                    carry = jax.block_until_ready(advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(False)))
+                    dt = time.perf_counter() - t0
+                    return dt, int(jax.device_get(finish(carry)["iterations"]))
+            return timer
+        whole = self._executable(args, static)
+
+        def timer():
+            with self._context():
+                t0 = time.perf_counter()
+                jax.block_until_ready(start(*args))
+                t1 = time.perf_counter()
+                rounds = int(jax.device_get(whole(*args)["iterations"]))
+                return time.perf_counter() - t1 - (t1 - t0), rounds
+        return timer
 
     # -- host API ---------------------------------------------------------------------
     def prepare(self, prompts, **kwargs) -> Batch:
