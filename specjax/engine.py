@@ -633,18 +633,6 @@ class _Sharded:
         if getattr(self, "adaptive", False) and "costs" not in static_opts:
             self.costs_for(batch.size, like=batch, streamed=True)
 
-    def _streamed_run(self, args, static):
-        """A whole generation as ``_start``, one ``_advance`` to the end and ``_finish``:
-        the programs a streamed or dataset run compiles, called like one ``_run``."""
-        start, advance, finish = self._stream_executables(args, static)
-        rest = self._advance_inputs(args)
-
-        def run(*a):
-            with self._context():
-                return finish(advance(start(*a), *rest, np.int32(RUN_TO_THE_END), np.bool_(False)))
-
-        return run
-
     def _stream(self, batch: Batch, chunk: int, static_opts: dict, with_stats: bool,
                 raise_on_error: bool):
         """Run ``batch`` in chunks of ``chunk`` loop iterations with the loop state kept on
@@ -1647,7 +1635,7 @@ class SpeculativeEngine(_Sharded):
     def costs_for(self, batch_size: int, like: Optional[Batch] = None, streamed: bool = False) -> np.ndarray:
         """The cost table adaptive K uses at ``batch_size``: set, else read from the cost
         file (:func:`cost_file`) for this machine, models and K, else measured now
-        (:meth:`calibrate`, with the program of ``like`` when given: no extra compile;
+        (:meth:`calibrate`, with the program of ``like`` when given, plus its ``_start``;
         ``streamed``: its streamed programs) and saved there."""
         b = int(batch_size)
         if b not in self.costs:
@@ -1730,9 +1718,8 @@ class SpeculativeEngine(_Sharded):
         (seconds spent in its rounds, its number of rounds). Streamed: the time of the one
         ``_advance`` after an untimed ``_start``. Whole program: its time less a separate
         run of ``_start`` (the prefill and set-up it begins with)."""
-        start = self._executable(args, static, "_start")
         if streamed:
-            _, advance, finish = self._stream_executables(args, static)
+            start, advance, finish = self._stream_executables(args, static)
             rest = self._advance_inputs(args)
 
             def timer():
@@ -1743,7 +1730,7 @@ class SpeculativeEngine(_Sharded):
                     dt = time.perf_counter() - t0
                     return dt, int(jax.device_get(finish(carry)["iterations"]))
             return timer
-        whole = self._executable(args, static)
+        start, whole = self._executable(args, static, "_start"), self._executable(args, static)
 
         def timer():
             with self._context():
