@@ -451,8 +451,8 @@ AUTO_PROBE_SHARE = 0.01  # ... and never more often than keeps probes' extra cos
 # part of every cost table's key: bumped when the rounds' code or the way they are measured
 # changes, so that tables measured before are not used (2: interleaved calibration passes;
 # 3: the branches of j no longer copy the caches, drafting costs smoothed; 4: rounds timed
-# without the prefill, one length, 4 passes)
-COST_MODEL_VERSION = 4
+# without the prefill, one length, 4 passes; 5: always through the streamed programs)
+COST_MODEL_VERSION = 5
 
 
 def smooth_costs(cost) -> np.ndarray:
@@ -628,10 +628,10 @@ class _Sharded:
 
     def _measure_streamed(self, batch: Batch, static_opts: dict) -> None:
         """For a streamed or dataset run of an adaptive engine whose cost table at this
-        batch size is still to measure: measure it with the streamed programs the run
-        compiles anyway (not with a whole-generation program compiled only for that)."""
+        batch size is still to measure: measure it before the run (with the streamed
+        programs the run compiles anyway)."""
         if getattr(self, "adaptive", False) and "costs" not in static_opts:
-            self.costs_for(batch.size, like=batch, streamed=True)
+            self.costs_for(batch.size, like=batch)
 
     def _stream(self, batch: Batch, chunk: int, static_opts: dict, with_stats: bool,
                 raise_on_error: bool):
@@ -1632,18 +1632,18 @@ class SpeculativeEngine(_Sharded):
             raise ValueError(f"costs must be K+1 = {self.k + 1} positive numbers (inf allowed), got {costs!r}")
         self.costs[int(batch_size)] = c
 
-    def costs_for(self, batch_size: int, like: Optional[Batch] = None, streamed: bool = False) -> np.ndarray:
+    def costs_for(self, batch_size: int, like: Optional[Batch] = None) -> np.ndarray:
         """The cost table adaptive K uses at ``batch_size``: set, else read from the cost
         file (:func:`cost_file`) for this machine, models and K, else measured now
-        (:meth:`calibrate`, with the program of ``like`` when given, plus its ``_start``;
-        ``streamed``: its streamed programs) and saved there."""
+        (:meth:`calibrate`, with the streamed programs of ``like`` when given) and saved
+        there."""
         b = int(batch_size)
         if b not in self.costs:
             saved = _load_costs().get(self.cost_key(b))
             if saved is not None and len(saved) == self.k + 1:
                 self.set_costs(b, saved)
             else:
-                self.calibrate(b, like=like, streamed=streamed)
+                self.calibrate(b, like=like)
         return self.costs[b]
 
     def cost_key(self, batch_size: int) -> str:
@@ -1661,19 +1661,17 @@ class SpeculativeEngine(_Sharded):
         return f"{hashlib.sha256(what.encode()).hexdigest()[:24]}/b{int(batch_size)}"
 
     def calibrate(self, batch_size: int, *, like: Optional[Batch] = None, prompt_len: int = 32,
-                  new_tokens: int = 32, repeats: int = 4, save: bool = True,
-                  streamed: bool = False) -> np.ndarray:
+                  new_tokens: int = 32, repeats: int = 4, save: bool = True) -> np.ndarray:
         """Measure the cost (seconds) of a round that drafts j = 0..K tokens at
         ``batch_size``: a generation of ``new_tokens`` tokens per row (random prompts, T=1,
         no stop) with j forced, timed without its prefill, over its number of rounds. Every j
         runs once per pass and the passes repeat (``repeats`` after a warm-up pass), keeping
         each j's fastest time, so that a slow spell of a shared machine does not skew the
         ratios between j. ``like`` (a prepared batch of that size): run its program (buffer
-        sizes, controls); ``streamed``: time it through the streamed programs (``_start``,
-        ``_advance``, ``_finish``) that a streamed or dataset run of ``like`` uses, the
-        rounds being one ``_advance``; else the whole-generation program less the time of
-        ``_start`` (the prefill, compiled for this). Sets the table (:meth:`set_costs`) and
-        saves it to the cost file."""
+        sizes, controls). The rounds are timed as one ``_advance`` of the streamed programs
+        (``_start``, ``_advance``, ``_finish``, what a streamed or dataset run of ``like``
+        compiles anyway; a whole-generation call compiles them for this). Sets the table
+        (:meth:`set_costs`) and saves it to the cost file."""
         if not self.adaptive:
             raise ValueError("calibrate is for an adaptive-K engine (k='auto')")
         b = int(batch_size)
@@ -1698,7 +1696,7 @@ class SpeculativeEngine(_Sharded):
                     params=batch.params, max_new=np.full(b, min(n, like.out_cap), np.int32),
                     stop_ids=np.full_like(like.stop_ids, _NO_STOP))
             args, static = self._call_args(batch, costs=forced)
-            timers.append(self._round_timer(args, static, streamed))
+            timers.append(self._round_timer(args, static))
         # every j once per pass, passes repeated, the fastest kept: a slow spell of a shared
         # machine hits all j alike instead of skewing their ratios (the rule reads ratios)
         best = np.full(self.k + 1, np.inf)
@@ -1713,32 +1711,22 @@ class SpeculativeEngine(_Sharded):
             _save_costs(self.cost_key(b), cost.tolist())
         return cost
 
-    def _round_timer(self, args, static, streamed: bool):
-        """For :meth:`calibrate`: a function running one generation of ``args`` and returning
-        (seconds spent in its rounds, its number of rounds). Streamed: the time of the one
-        ``_advance`` after an untimed ``_start``. Whole program: its time less a separate
-        run of ``_start`` (the prefill and set-up it begins with)."""
-        if streamed:
-            start, advance, finish = self._stream_executables(args, static)
-            rest = self._advance_inputs(args)
-
-            def timer():
-                with self._context():
-                    carry = jax.block_until_ready(start(*args))
-                    t0 = time.perf_counter()
-                    carry = jax.block_until_ready(advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(False)))
-                    dt = time.perf_counter() - t0
-                    return dt, int(jax.device_get(finish(carry)["iterations"]))
-            return timer
-        start, whole = self._executable(args, static, "_start"), self._executable(args, static)
+    def _round_timer(self, args, static):
+        """For :meth:`calibrate`: a function running one generation of ``args`` through the
+        streamed programs and returning (seconds of its rounds, its number of rounds): the
+        time of the one ``_advance`` after an untimed ``_start``. (Timing the whole program
+        less a separate run of ``_start`` left the prefill's noise in the difference: cost
+        ratios moved by 20% between calibrations, against 3-5% this way.)"""
+        start, advance, finish = self._stream_executables(args, static)
+        rest = self._advance_inputs(args)
 
         def timer():
             with self._context():
+                carry = jax.block_until_ready(start(*args))
                 t0 = time.perf_counter()
-                jax.block_until_ready(start(*args))
-                t1 = time.perf_counter()
-                rounds = int(jax.device_get(whole(*args)["iterations"]))
-                return time.perf_counter() - t1 - (t1 - t0), rounds
+                carry = jax.block_until_ready(advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(False)))
+                dt = time.perf_counter() - t0
+                return dt, int(jax.device_get(finish(carry)["iterations"]))
         return timer
 
     # -- host API ---------------------------------------------------------------------
