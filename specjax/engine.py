@@ -469,23 +469,62 @@ def smooth_costs(cost) -> np.ndarray:
     return cost
 
 
-def choose_k(auto: AutoState, costs) -> jax.Array:
+def _expected_max_normal(n) -> jax.Array:
+    """E[max of n i.i.d. standard normals] (Blom's approximation, within 0.03 for n = 2..64;
+    0 for n <= 1)."""
+    n = jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
+    return jnp.maximum(jax.scipy.special.ndtri((n - 0.375) / (n + 0.25)), 0.0)
+
+
+def batch_tokens_per_round(e, surv, remaining) -> jax.Array:
+    """Tokens per round of a batch that runs until its LAST row is done, for each j = 0..K
+    (``e``: a row's expected tokens per round drafting j, ``surv``: P(at least i drafts
+    accepted), i = 1..K; ``remaining``: int[B], each running row's token budget left, 0
+    for done rows). The batch takes the most rounds of its rows: a row that needs r tokens
+    takes about r / E_j rounds, with a standard deviation of sqrt(r V_j / E_j^3) (V_j: the
+    variance of a round's tokens), and the longest of n rows about z_n standard deviations
+    more (z_n: E[max of n standard normals]; n: the rows whose budget is within two
+    standard deviations of the largest, m), never more than m rounds. The rate is m over
+    that: E_j for one row or a long run, down to 1 (a plain step's) for many rows that
+    need few tokens, where some row rejects every round."""
+    k = surv.shape[0]
+    i = jnp.arange(1, k + 1, dtype=jnp.float32)
+    # E[A^2] = sum_i (2i - 1) P(A >= i) for the accepted count A of a round drafting j
+    ea2 = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum((2.0 * i - 1.0) * surv)])
+    var = jnp.maximum(ea2 - (e - 1.0) ** 2, 0.0)
+    r = jnp.asarray(remaining, jnp.float32)
+    m = jnp.max(r)
+    spread = jnp.sqrt(m * var / e)  # standard deviation, in tokens, of what a row makes in m / E_j rounds
+    close = (r[None, :] > 0) & (r[None, :] >= m - 2.0 * spread[:, None])
+    z = _expected_max_normal(jnp.sum(close, axis=1))
+    rounds = jnp.minimum(m / e + z * jnp.sqrt(m * var / e ** 3), m)
+    return jnp.where(m > 0, m / jnp.maximum(rounds, 1e-6), e)
+
+
+def choose_k(auto: AutoState, costs, remaining=None, tail=True) -> jax.Array:
     """The adaptive rule: the number of draft tokens j in 0..K that maximizes expected
     tokens per unit cost, ``E_j / costs[j]``, where ``E_j = 1 + sum_{i<=j} prod_{m<=i} a_m``
     with ``a_m`` the batch's (decayed, smoothed) acceptance rate at draft position m and
-    ``costs[j]`` the measured cost of a round that drafts j tokens (``inf``: never). After
-    ``auto.gap`` plain rounds in a row (:data:`AUTO_PROBE`, doubled after every probe that
-    is followed by a plain round, up to :data:`AUTO_PROBE_MAX`; back to :data:`AUTO_PROBE`
-    when the rule drafts of itself), and at least ``x / AUTO_PROBE_SHARE`` where the probe
-    costs ``x`` plain rounds more than a plain round, the best j >= 1 is tried once. Reads only what
-    earlier rounds left in ``auto``: the choice never depends on the current round's draws,
-    so every round is an exact speculative (or plain) step whatever j is."""
+    ``costs[j]`` the measured cost of a round that drafts j tokens (``inf``: never). With
+    ``remaining`` (each row's token budget left, 0 for done rows) and ``tail`` (the loop
+    runs until every row is done: a fixed batch, not a dataset run's slots, which are
+    refilled), ``E_j`` is the batch's rate, :func:`batch_tokens_per_round`: the rows wait
+    for the slowest. After ``auto.gap`` plain rounds in a row (:data:`AUTO_PROBE`, doubled
+    after every probe that is followed by a plain round, up to :data:`AUTO_PROBE_MAX`;
+    back to :data:`AUTO_PROBE` when the rule drafts of itself), and at least ``x /
+    AUTO_PROBE_SHARE`` where the probe costs ``x`` plain rounds more than a plain round,
+    the best j >= 1 is tried once. Reads only what earlier rounds left (``auto``, the
+    budgets): the choice never depends on the current round's draws, so every round is an
+    exact speculative (or plain) step whatever j is."""
     k = auto.accepted.shape[0]
     a, prev = [], jnp.float32(AUTO_PRIOR)
     for i in range(k):
         prev = (auto.accepted[i] + AUTO_PRIOR_WEIGHT * prev) / (auto.reached[i] + AUTO_PRIOR_WEIGHT)
         a.append(prev)
-    e = jnp.concatenate([jnp.ones((1,), jnp.float32), 1.0 + jnp.cumsum(jnp.cumprod(jnp.stack(a)))])
+    surv = jnp.cumprod(jnp.stack(a))
+    e = jnp.concatenate([jnp.ones((1,), jnp.float32), 1.0 + jnp.cumsum(surv)])
+    if remaining is not None:
+        e = jnp.where(tail, batch_tokens_per_round(e, surv, remaining), e)
     c = jnp.asarray(costs, jnp.float32)
     score = e / c
     best = jnp.argmax(score).astype(jnp.int32)
@@ -1288,8 +1327,12 @@ class SpeculativeEngine(_Sharded):
         # branch of the largest (rows that chose fewer cap their num_draft). Each branch is
         # an inner loop that goes on while the choice stays the same, so that the switch
         # (whose operands, the caches included, XLA may copy) is crossed only on a change.
+        # the batch's rate counts the wait for its slowest row unless finished rows' slots
+        # are refilled (a dataset run pauses for that)
+        tail = True if pause is None else ~pause
+
         def choice(c):
-            rows_k = jnp.clip(self.choose_k(c, costs, inputs), 0, self.k)
+            rows_k = jnp.clip(self.choose_k(c, costs, inputs, tail), 0, self.k)
             return rows_k, jnp.max(jnp.where(c.state.done, 0, rows_k))
 
         # a proposer that defers plain rounds' work (plain_backlog, e.g. the EAGLE head)
@@ -1333,15 +1376,19 @@ class SpeculativeEngine(_Sharded):
         return self._loop(carry, target_params, draft_params, row_keys, params, controls,
                           max_new, stop_ids, use_penalties, costs, until, pause)
 
-    def choose_k(self, c: SpecCarry, costs, inputs) -> jax.Array:
+    def choose_k(self, c: SpecCarry, costs, inputs, tail=True) -> jax.Array:
         """Adaptive K: the draft tokens of the next round per row (int32[B] in 0..K; the
         rule gives every row the same), from what earlier rounds left in the carry
-        (:func:`choose_k`). ``inputs`` (the loop's arguments) are unused: the choice must
-        not look at this round. A row whose j is below the round's largest drafts j
-        tokens all the same: its num_draft is capped, and the verifiers' keys are by
-        position, so its tokens do not depend on the other rows' j."""
-        del inputs
-        return jnp.broadcast_to(choose_k(c.auto, costs), c.state.seq_len.shape)
+        (:func:`choose_k`: the acceptance seen, and each running row's token budget left,
+        its ``max_new`` less what it has made). Of ``inputs`` (the loop's arguments) only
+        ``max_new`` is read: the choice must not look at this round. ``tail``: the loop
+        runs until every row is done (False: a dataset run, whose finished rows' slots
+        are refilled). A row whose j is below the round's largest drafts j tokens all the
+        same: its num_draft is capped, and the verifiers' keys are by position, so its
+        tokens do not depend on the other rows' j."""
+        max_new = inputs[5]
+        remaining = jnp.where(c.state.done, 0, jnp.maximum(max_new - c.state.gen_len, 0))
+        return jnp.broadcast_to(choose_k(c.auto, costs, remaining, tail), c.state.seq_len.shape)
 
     def _finish_program(self, carry: SpecCarry, out_cap: int) -> dict:
         stats = {f.name: getattr(carry.stats, f.name) for f in dataclasses.fields(carry.stats)}
