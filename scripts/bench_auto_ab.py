@@ -13,6 +13,9 @@ engine's (a slow spell of a shared machine, often seconds long, then hits an eng
 reference alike; timing each engine's calls in a block moved ratios by up to 25%). Times
 printed are medians. ``--groups G``: each timed call runs G batches of different prompts
 one after another (at batch 1, one prompt is a poor sample of the text).
+``k{K}_table_speedup``: what the cost table predicts for the fixed-K engine (the prefill,
+timed as a one-token autoregressive call, plus its loop iterations at the table's cost),
+beside what it measured: how far the table k=auto decides by is off.
 A smaller, faster check than ``scripts/bench_schedule.py``'s grid.
 """
 from __future__ import annotations
@@ -67,17 +70,28 @@ def main(argv=None) -> int:
             def run(eng):
                 return [eng.generate(g, seed=0, sampling_params=sp, max_new_tokens=a.max_new) for g in groups]
 
+            def iterations(outs):
+                return int(np.sum([int(np.asarray(o.raw["iterations"])) for o in outs]))
+
             def k_rounds(outs):
                 return np.sum([np.asarray(o.raw["k_rounds"]) for o in outs], axis=0).tolist()
 
+            def prefill():  # the autoregressive engine making one token: its prefill, about
+                return [ar.generate(g, seed=0, sampling_params=sp, max_new_tokens=1) for g in groups]
+
             engines = {"ar": ar, "auto": auto, **{f"k{k}": eng for k, eng in fixed.items()}}
             outs = {name: run(eng) for name, eng in engines.items()}  # warm-up
+            prefill()
             times = {name: [] for name in engines}
+            times["prefill"] = []
             for _ in range(a.passes):
                 for name, eng in engines.items():
                     t = time.perf_counter()
                     run(eng)
                     times[name].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                prefill()
+                times["prefill"].append(time.perf_counter() - t)
             ts = {name: np.asarray(v) for name, v in times.items()}
 
             def med(name):
@@ -87,11 +101,21 @@ def main(argv=None) -> int:
                 return round(float(np.median(ts["ar"] / ts[name])), 3)
 
             row = dict(batch=b, temperature=temp, groups=a.groups, passes=a.passes, ar_s=med("ar"),
+                       prefill_s=med("prefill"),
                        auto_s=med("auto"), speedup=speedup("auto"),
                        speedup_quartiles=[round(float(x), 3) for x in np.quantile(ts["ar"] / ts["auto"], [0.25, 0.75])],
                        rounds_by_draft_tokens=k_rounds(outs["auto"]))
             for k in fixed:
                 row[f"k{k}_s"], row[f"k{k}_speedup"] = med(f"k{k}"), speedup(f"k{k}")
+                # what the cost table predicts for this engine: the prefill (timed) plus its
+                # loop iterations at the table's cost of a K-token round, against the
+                # prefill plus the autoregressive steps at cost_0 (a table that misjudges
+                # drafting shows here)
+                if k < len(table):
+                    pre = float(np.median(ts["prefill"]))
+                    row[f"k{k}_table_speedup"] = round(
+                        (pre + iterations(outs["ar"]) * float(table[0]))
+                        / (pre + iterations(outs[f"k{k}"]) * float(table[k])), 3)
             if fixed:
                 row["auto_vs_best_fixed"] = round(min(float(np.median(ts[f"k{k}"] / ts["auto"])) for k in fixed), 3)
             print(json.dumps(row), flush=True)
