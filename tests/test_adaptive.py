@@ -366,3 +366,15 @@ def test_the_rule_counts_the_wait_for_the_slowest_row():
     assert int(engine.choose_k(st, costs, jnp.full((4,), 400))) == 1
     assert int(engine.choose_k(st, costs, jnp.full((4,), 48), tail=False)) == 1
     assert int(engine.choose_k(st, costs, jnp.asarray([48]))) == 1
+
+
+def test_no_probe_where_the_batch_has_too_few_tokens_left_to_use_it():
+    """After 40 plain rounds a probe is due (gap 32), unless the fixed batch's rows have
+    fewer tokens left than that (the evidence would come too late); a dataset run's slots
+    are refilled, so it probes. The mutant, the probe without the check, drafts at 20."""
+    st = engine.AutoState.zeros(3).replace(accepted=jnp.asarray([5.0, 1, 0]), reached=jnp.asarray([100.0, 5, 1]),
+                                           since=jnp.int32(40))
+    flat = [1.0, 1.1, 1.15, 1.2]
+    assert int(engine.choose_k(st, flat)) == 1 and int(engine.choose_k(st, flat, jnp.full((4,), 100))) == 1
+    assert int(engine.choose_k(st, flat, jnp.full((4,), 20))) == 0
+    assert int(engine.choose_k(st, flat, jnp.full((4,), 20), tail=False)) == 1
