@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             def k_rounds(outs):
                 return np.sum([np.asarray(o.raw["k_rounds"]) for o in outs], axis=0).tolist()
 
-            def prefill():  # the autoregressive engine making one token: its prefill, about
+            def prefill():  # the autoregressive engine making one token: about its prefill
                 return [ar.generate(g, seed=0, sampling_params=sp, max_new_tokens=1) for g in groups]
 
             engines = {"ar": ar, "auto": auto, **{f"k{k}": eng for k, eng in fixed.items()}}
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
                        auto_s=med("auto"), speedup=speedup("auto"),
                        speedup_quartiles=[round(float(x), 3) for x in np.quantile(ts["ar"] / ts["auto"], [0.25, 0.75])],
                        rounds_by_draft_tokens=k_rounds(outs["auto"]))
+            pre = float(np.median(ts["prefill"]))
             for k in fixed:
                 row[f"k{k}_s"], row[f"k{k}_speedup"] = med(f"k{k}"), speedup(f"k{k}")
                 # what the cost table predicts for this engine: the prefill (timed) plus its
@@ -112,7 +113,6 @@ def main(argv=None) -> int:
                 # prefill plus the autoregressive steps at cost_0 (a table that misjudges
                 # drafting shows here)
                 if k < len(table):
-                    pre = float(np.median(ts["prefill"]))
                     row[f"k{k}_table_speedup"] = round(
                         (pre + iterations(outs["ar"]) * float(table[0]))
                         / (pre + iterations(outs[f"k{k}"]) * float(table[k])), 3)

@@ -497,7 +497,7 @@ def batch_tokens_per_round(e, surv, remaining) -> jax.Array:
     spread = jnp.sqrt(m * var / e)  # standard deviation, in tokens, of what a row makes in m / E_j rounds
     close = (r[None, :] > 0) & (r[None, :] >= m - 2.0 * spread[:, None])
     z = _expected_max_normal(jnp.sum(close, axis=1))
-    rounds = jnp.minimum(m / e + z * jnp.sqrt(m * var / e ** 3), m)
+    rounds = jnp.minimum((m + z * spread) / e, m)  # spread / E_j: the deviation in rounds
     return jnp.where(m > 0, m / jnp.maximum(rounds, 1e-6), e)
 
 
