@@ -203,6 +203,8 @@ def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch)
     eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
     c = eng.costs_for(2)
     assert c.shape == (K + 1,) and np.all(c > 0) and np.all(np.isfinite(c))
+    # the rounds are timed through the streamed programs, whatever call measures them
+    assert {sig[0] for sig in eng._compiled} == {"_start", "_advance", "_finish"}
     assert engine.cost_file().exists()
     again = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
     assert np.allclose(again.costs_for(2), c) and not again._compiled  # read, not measured
