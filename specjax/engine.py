@@ -451,8 +451,9 @@ AUTO_PROBE_SHARE = 0.01  # ... and never more often than keeps probes' extra cos
 # part of every cost table's key: bumped when the rounds' code or the way they are measured
 # changes, so that tables measured before are not used (2: interleaved calibration passes;
 # 3: the branches of j no longer copy the caches, drafting costs smoothed; 4: rounds timed
-# without the prefill, one length, 4 passes; 5: always through the streamed programs)
-COST_MODEL_VERSION = 5
+# without the prefill, one length, 4 passes; 5: always through the streamed programs; 6: a
+# deferring proposer's pass over the prompt falls in the first drafting round)
+COST_MODEL_VERSION = 6
 
 
 def smooth_costs(cost) -> np.ndarray:
@@ -1341,11 +1342,13 @@ class SpeculativeEngine(_Sharded):
             rows_k = jnp.clip(self.choose_k(c, costs, inputs, tail), 0, self.k)
             return rows_k, jnp.max(jnp.where(c.state.done, 0, rows_k))
 
-        # a proposer that defers plain rounds' work (plain_backlog, e.g. the EAGLE head)
-        # catches up when a drafting branch starts, and when the plain branch starts with a
-        # full backlog; the plain branch's loop stops before a row's backlog is full. These
-        # conditionals run once per switch, not per round.
-        room = getattr(self.proposer, "plain_backlog", 0)
+        # a proposer that defers plain rounds' work (plain_backlog, e.g. the EAGLE head; its
+        # pass over the prompt waits there too) catches up when a drafting branch starts, and
+        # when the plain branch starts with a full backlog; the plain branch's loop stops
+        # before a row's backlog is full. These conditionals run once per switch, not per
+        # round.
+        deferring = getattr(self.proposer, "plain_backlog", 0) > 0
+        room = self.proposer.backlog_room(carry.proposer_state) if deferring else 0  # static
 
         def settle(c, drafting: bool):
             if not room:
@@ -1418,9 +1421,11 @@ class SpeculativeEngine(_Sharded):
         tcache, hidden = prefill(tgt, target_params, prompts, prompt_lens, tcache,
                                  chunk=self.prefill_chunk, return_hidden=want_hidden)
         tcache = self._c_cache(tcache.with_lengths(self.target_cache_lengths(prompt_lens)))
+        # adaptive K catches up before drafting: a proposer that can leave its pass over the
+        # prompt to that (init_deferred) costs nothing in a run that never drafts
+        init = prop.init_deferred if self.adaptive and getattr(prop, "plain_backlog", 0) else prop.init
         with self._role("draft"):
-            pstate = prop.init(draft_params, prompts, prompt_lens, cache_len,
-                               hidden if want_hidden else None)
+            pstate = init(draft_params, prompts, prompt_lens, cache_len, hidden if want_hidden else None)
         state = DecodeState.initial(prompts, prompt_lens, out_cap + k + 1, cache_len + k + 1,
                                     tgt.vocab_size, max_new)
         return SpecCarry(state=self._c_state(state), stats=RoundStats.zeros(b, self.stat_positions),

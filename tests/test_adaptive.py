@@ -289,6 +289,43 @@ def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     np.testing.assert_allclose(np.asarray(got.v)[:, 0, :, :n], np.asarray(want.v)[:, 0, :, :n], atol=2e-5)
 
 
+def test_a_run_that_never_drafts_never_runs_the_eagle_head():
+    """An adaptive engine leaves the EAGLE head's pass over the prompt in its backlog
+    (``init_deferred``), so a run whose rounds are all plain never runs the head: its cache
+    is still empty at the end and every pair (the prompt's and the plain rounds') waits,
+    and catching up gives what a fresh prefill over the whole sequence gives. A fixed-K
+    engine runs the head over the prompt at once (it drafts in its first round)."""
+    from specjax.drafts import EagleProposer
+    from specjax.models.eagle import EagleConfig, EagleModel
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    cfg = EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32)
+    prop = EagleProposer(EagleModel.for_target(tgt, cfg, seed=1), K, plain_backlog=32, catch_up_chunk=4)
+    prompts = [[3, 9, 27, 17, 4], [5, 1, 8]]
+    sp = sampling.SamplingConfig(temperature=1.0)
+    eng = engine.SpeculativeEngine(tgt, prop, "token", adaptive=True, costs={2: [1, np.inf, np.inf]})
+    out = eng.generate(prompts, seed=2, max_new_tokens=6, sampling_params=sp)
+    assert out.raw["k_rounds"][1:].sum() == 0
+    st = out.raw["proposer_state"]
+    lens = np.array([len(p) + len(t) for p, t in zip(prompts, out.tokens)])
+    assert np.asarray(st["cache"].lengths).tolist() == [0, 0]
+    assert np.asarray(st["n"]).tolist() == (lens - 1).tolist()
+    seq = np.zeros((2, lens.max()), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, out.tokens)):
+        seq[i, : lens[i]] = p + t
+    cache_len = st["cache"].max_len
+    st = prop.catch_up(prop.params, st, jnp.asarray(seq), jnp.asarray(lens))
+    hidden = tgt.apply(tgt.params, jnp.asarray(seq), tgt.init_cache(2, cache_len), return_hidden=True).hidden
+    fresh = prop.init(prop.params, jnp.asarray(seq), jnp.asarray(lens), cache_len, hidden)
+    np.testing.assert_allclose(np.asarray(st["h"]), np.asarray(fresh["h"]), atol=2e-5)
+    for i in range(2):
+        m = lens[i] - 1
+        np.testing.assert_allclose(np.asarray(st["cache"].k)[:, i, :, :m], np.asarray(fresh["cache"].k)[:, i, :, :m], atol=2e-5)
+    fixed = engine.SpeculativeEngine(tgt, prop, "token")
+    st = fixed.generate(prompts, seed=2, max_new_tokens=1, sampling_params=sp).raw["proposer_state"]
+    assert (np.asarray(st["cache"].lengths) > 0).all() and not np.asarray(st["n"]).any()
+
+
 def test_chunked_catch_up_of_ragged_backlogs_is_a_fresh_prefill():
     """Rows with backlogs of 6 and 3 pairs (a row that finished stops adding), fed 2 pairs
     per forward (as many forwards as the longest needs) or in one: the head's state is what

@@ -22,9 +22,13 @@ functions, called inside the engine's jitted ``lax.while_loop``:
 * optional deferred plain commits: a proposer with ``plain_backlog = P > 0`` may only
   record a plain round in ``commit_plain`` (the EAGLE head keeps the target's hidden
   state) and run the work later, all at once, in ``catch_up(params, state, seq, seq_len)
-  -> state``; ``backlog(state) -> int32[B]`` counts the rounds waiting. The engine calls
-  ``catch_up`` before the first drafting round after plain rounds and before a row's
-  backlog would exceed P (it leaves the plain rounds' loop for that), never inside a round.
+  -> state``; ``backlog(state) -> int32[B]`` counts the rounds waiting and
+  ``backlog_room(state) -> int`` (static) how many fit. The engine calls ``catch_up``
+  before the first drafting round after plain rounds and before a row's backlog would
+  exceed its room (it leaves the plain rounds' loop for that), never inside a round. Such
+  a proposer also has ``init_deferred`` (``init``'s arguments), which an adaptive engine
+  calls instead of ``init``: the pass over the prompt waits in the backlog as well, so that
+  a run that never drafts never makes it.
 
 A proposal carries ``tokens int32[B, K]``, the *processed* draft log-probs
 ``logprobs float32[B, K, V]`` that the tokens were actually drawn from, and

@@ -82,6 +82,27 @@ class EagleProposer(ModelBackedProposer):
                          n=jnp.zeros((b,), jnp.int32))
         return state
 
+    def init_deferred(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
+        """``init`` with the head's pass over the prompt left to :meth:`catch_up`: the
+        prompt's c-1 pairs wait in the backlog, in front of the room for ``plain_backlog``
+        plain rounds (the backlog is that much wider: the prompt's width, rounded up to
+        whole ``catch_up_chunk`` forwards), and the head's cache is empty. For adaptive K,
+        which catches up before any drafting round: a batch that never drafts never runs
+        the head. Without a backlog: :meth:`init`."""
+        if not self.plain_backlog:
+            return self.init(params, prompt_tokens, prompt_lens, cache_len, target_hidden)
+        if target_hidden is None:
+            raise ValueError("EagleProposer needs the target's hidden states")
+        b, p = prompt_tokens.shape
+        c = self.catch_up_chunk
+        width = self.plain_backlog + (-(-p // c) * c if c > 0 else p)
+        backlog = jnp.zeros((b, width) + target_hidden.shape[2:], target_hidden.dtype)
+        cfg = self.model.config  # the kept prediction: set by the catch-up (every row has a pair)
+        cache = self.model.init_cache(b, cache_len)
+        return dict(cache=cache.with_lengths(jnp.zeros((b,), jnp.int32)),
+                    h=jnp.zeros((b, cfg.dim), cfg.layer_config().compute_dtype),
+                    backlog=backlog.at[:, :p].set(target_hidden), n=(prompt_lens - 1).astype(jnp.int32))
+
     def propose(self, params, state, ctx: ProposeContext) -> Proposal:
         m = self.model.module(params)
         cache = state["cache"].with_lengths(ctx.seq_len - 1)
@@ -133,13 +154,18 @@ class EagleProposer(ModelBackedProposer):
             return self.commit(params, state, ctx)
         n = state["n"]
         rows = jnp.arange(n.shape[0])
-        at = jnp.minimum(n, self.plain_backlog - 1)  # the engine keeps n < plain_backlog here
+        at = jnp.minimum(n, self.backlog_room(state) - 1)  # the engine keeps n below the room here
         return dict(state, backlog=state["backlog"].at[rows, at].set(ctx.target_hidden[:, 0]),
                     n=n + ctx.num_new)
 
     def backlog(self, state) -> jax.Array:
-        """int32[B]: plain rounds whose head step has not run yet."""
+        """int32[B]: pairs whose head step has not run yet (plain rounds', and the prompt's
+        after :meth:`init_deferred`)."""
         return state["n"]
+
+    def backlog_room(self, state) -> int:
+        """How many pairs the backlog of ``state`` holds (static)."""
+        return state["backlog"].shape[1]
 
     def catch_up(self, params, state, seq, seq_len):
         """Feed the backlog's pairs (the target's hidden state after s[c-1-n+j], with the
