@@ -1366,19 +1366,27 @@ class SpeculativeEngine(_Sharded):
         def has_room(c):
             return jnp.all(self.proposer.backlog(c.proposer_state) < room) if room else True
 
+        # the loops carry the choice for the next round (computed once, after the round
+        # before it), so the inner loop's condition and the round read the same one
         def branch(j):
-            def step(c):
+            def step(x):
+                c, rows_k, _ = x
                 if j == 0:
-                    return self._plain_round(c, *inputs)
-                return self._round(c, *inputs, proposer=self._proposers[j], rows_k=choice(c)[0])
+                    c = self._plain_round(c, *inputs)
+                else:
+                    c = self._round(c, *inputs, proposer=self._proposers[j], rows_k=rows_k)
+                return (c, *choice(c))
 
             def go_on(x):
-                return more(x) & (choice(x)[1] == j) & (has_room(x) if j == 0 else True)
+                c, _, jmax = x
+                return more(c) & (jmax == j) & (has_room(c) if j == 0 else True)
 
-            return lambda c: jax.lax.while_loop(go_on, step, settle(c, drafting=j > 0))
+            return lambda x: jax.lax.while_loop(go_on, step, (settle(x[0], drafting=j > 0),) + x[1:])
 
         branches = [branch(j) for j in range(self.k + 1)]
-        return jax.lax.while_loop(more, lambda c: _run_branch(choice(c)[1], branches, c), carry)
+        out = jax.lax.while_loop(lambda x: more(x[0]), lambda x: _run_branch(x[2], branches, x),
+                                 (carry, *choice(carry)))
+        return out[0]
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
                          max_new, stop_ids, use_penalties, costs, until, pause) -> SpecCarry:
