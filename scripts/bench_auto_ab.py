@@ -13,9 +13,8 @@ engine's (a slow spell of a shared machine, often seconds long, then hits an eng
 reference alike; timing each engine's calls in a block moved ratios by up to 25%). Times
 printed are medians. ``--groups G``: each timed call runs G batches of different prompts
 one after another (at batch 1, one prompt is a poor sample of the text).
-``k{K}_table_speedup``: what the measured cost table (without its error margin) predicts
-for the fixed-K engine (the prefill, timed as a one-token autoregressive call, plus its
-loop iterations at the table's cost),
+``k{K}_table_speedup``: what the cost table predicts for the fixed-K engine (the prefill,
+timed as a one-token autoregressive call, plus its loop iterations at the table's cost),
 beside what it measured: how far the table k=auto decides by is off.
 A smaller, faster check than ``scripts/bench_schedule.py``'s grid.
 """
@@ -63,11 +62,8 @@ def main(argv=None) -> int:
         like = auto.prepare(ids, seed=0, sampling_params=sampling.SamplingConfig(temperature=1.0),
                             max_new_tokens=a.max_new)
         table = auto.costs_for(b, like=like)
-        margin = auto.cost_margins.get(b, 0.0)
-        measured = np.concatenate([table[:1], np.asarray(table[1:]) / (1.0 + margin)])  # less the error margin
         print(f"batch {b}: k=auto cost table (ms per round drafting 0..K tokens): "
-              f"{', '.join(f'{1e3 * x:.1f}' for x in measured)}, drafting costs read with a margin of "
-              f"{100 * margin:.1f}% ({time.time() - t0:.0f} s)", flush=True)
+              f"{', '.join(f'{1e3 * x:.1f}' for x in table)} ({time.time() - t0:.0f} s)", flush=True)
         for temp in (float(x) for x in a.temps.split(",")):
             sp = sampling.SamplingConfig(temperature=temp)
 
@@ -116,10 +112,10 @@ def main(argv=None) -> int:
                 # loop iterations at the table's cost of a K-token round, against the
                 # prefill plus the autoregressive steps at cost_0 (a table that misjudges
                 # drafting shows here)
-                if k < len(measured):
+                if k < len(table):
                     row[f"k{k}_table_speedup"] = round(
-                        (pre + iterations(outs["ar"]) * float(measured[0]))
-                        / (pre + iterations(outs[f"k{k}"]) * float(measured[k])), 3)
+                        (pre + iterations(outs["ar"]) * float(table[0]))
+                        / (pre + iterations(outs[f"k{k}"]) * float(table[k])), 3)
             if fixed:
                 row["auto_vs_best_fixed"] = round(min(float(np.median(ts[f"k{k}"] / ts["auto"])) for k in fixed), 3)
             print(json.dumps(row), flush=True)

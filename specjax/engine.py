@@ -452,12 +452,8 @@ AUTO_PROBE_SHARE = 0.01  # ... and never more often than keeps probes' extra cos
 # changes, so that tables measured before are not used (2: interleaved calibration passes;
 # 3: the branches of j no longer copy the caches, drafting costs smoothed; 4: rounds timed
 # without the prefill, one length, 4 passes; 5: always through the streamed programs; 6: a
-# deferring proposer's pass over the prompt falls in the first drafting round; 7: drafting
-# costs carry the table's measurement error, see table_margin)
-COST_MODEL_VERSION = 7
-# a drafting round must be predicted to beat the plain step by this many standard errors of
-# the measured cost ratios (calibrate: table_margin)
-AUTO_MARGIN_Z = 2.0
+# deferring proposer's pass over the prompt falls in the first drafting round)
+COST_MODEL_VERSION = 6
 
 
 def smooth_costs(cost) -> np.ndarray:
@@ -472,29 +468,6 @@ def smooth_costs(cost) -> np.ndarray:
         slope, icpt = np.polyfit(j, cost[1:], 1)
         cost[1:] = np.maximum(icpt + slope * j, cost[0])
     return cost
-
-
-def table_margin(times, z: float = AUTO_MARGIN_Z) -> float:
-    """How much a measured cost table may be off, as a relative margin for the drafting
-    rounds: ``times[p, j]`` is pass p's time per round drafting j (every j once per pass);
-    the drafting costs' ratios to the plain round's, ``log(t[p, j] / t[p, 0])``, scatter
-    from pass to pass (the noise of a shared machine: ~0.1 at batch 4 on 2 CPU cores), and
-    a table built from P passes is off by about that over sqrt(P) (pooled over j >= 1).
-    Returns ``exp(z * that) - 1``: :meth:`SpeculativeEngine.calibrate` multiplies the drafting
-    costs by one plus it, so that the rule drafts only where drafting is predicted to pay
-    by more than the table can tell apart from nothing (prefer the plain step). 0 with
-    fewer than 2 passes or no drafting j."""
-    t = np.asarray(times, np.float64)
-    if t.ndim != 2 or t.shape[0] < 2 or t.shape[1] < 2:
-        return 0.0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.log(t[:, 1:] / t[:, :1])
-    r = r[:, np.all(np.isfinite(r), axis=0)]
-    if r.shape[1] == 0:
-        return 0.0
-    p = r.shape[0]
-    var = float(np.sum((r - r.mean(axis=0)) ** 2) / (r.shape[1] * (p - 1)))
-    return float(np.expm1(z * np.sqrt(var / p)))
 
 
 def _expected_max_normal(n) -> jax.Array:
@@ -1299,9 +1272,7 @@ class SpeculativeEngine(_Sharded):
                 raise ValueError("adaptive K (k='auto') takes a chain proposer, not a draft tree")
             self._proposers = [None] + [_with_k(proposer, j) for j in range(1, k)] + [proposer]
         # adaptive K: batch size -> float64[K+1], the cost of a round that drafts j tokens
-        # (as the rule reads it), and the part of the drafting costs that is error margin
         self.costs: dict = {}
-        self.cost_margins: dict = {}
         if costs is not None:
             for b, c in dict(costs).items():
                 self.set_costs(b, c)
@@ -1719,18 +1690,13 @@ class SpeculativeEngine(_Sharded):
         return seq_len - 1
 
     # -- adaptive K: the cost model ---------------------------------------------------
-    def set_costs(self, batch_size: int, costs, margin: float = 0.0) -> None:
+    def set_costs(self, batch_size: int, costs) -> None:
         """The cost of a round that drafts j = 0..K tokens at this batch size (any unit,
-        ``inf``: never choose j), as the rule reads it. ``margin``: how much of the drafting
-        costs is the measurement's error (:meth:`calibrate` includes ``1 + margin`` in them,
-        :func:`table_margin`); recorded for reports (:attr:`cost_margins`), not applied."""
+        ``inf``: never choose j), as :meth:`calibrate` measures it."""
         c = np.asarray(costs, np.float64).reshape(-1)
         if c.shape != (self.k + 1,) or np.isnan(c).any() or (c <= 0).any() or not np.isfinite(c).any():
             raise ValueError(f"costs must be K+1 = {self.k + 1} positive numbers (inf allowed), got {costs!r}")
-        if not (np.isfinite(margin) and margin >= 0):
-            raise ValueError(f"margin must be a number >= 0, got {margin!r}")
         self.costs[int(batch_size)] = c
-        self.cost_margins[int(batch_size)] = float(margin)
 
     def costs_for(self, batch_size: int, like: Optional[Batch] = None) -> np.ndarray:
         """The cost table adaptive K uses at ``batch_size``: set, else read from the cost
@@ -1740,8 +1706,8 @@ class SpeculativeEngine(_Sharded):
         b = int(batch_size)
         if b not in self.costs:
             saved = _load_costs().get(self.cost_key(b))
-            if isinstance(saved, dict) and len(saved.get("costs", ())) == self.k + 1:
-                self.set_costs(b, saved["costs"], margin=saved.get("margin", 0.0))
+            if saved is not None and len(saved) == self.k + 1:
+                self.set_costs(b, saved)
             else:
                 self.calibrate(b, like=like)
         return self.costs[b]
@@ -1770,12 +1736,8 @@ class SpeculativeEngine(_Sharded):
         ratios between j. ``like`` (a prepared batch of that size): run its program (buffer
         sizes, controls). The rounds are timed as one ``_advance`` of the streamed programs
         (``_start``, ``_advance``, ``_finish``, what a streamed or dataset run of ``like``
-        compiles anyway; a whole-generation call compiles them for this). The drafting
-        costs then get the table's error margin (:func:`table_margin`, from how the passes'
-        cost ratios scatter). Sets the table (:meth:`set_costs`) and saves it to the cost
-        file."""
-        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+        compiles anyway; a whole-generation call compiles them for this). Sets the table
+        (:meth:`set_costs`) and saves it to the cost file."""
         if not self.adaptive:
             raise ValueError("calibrate is for an adaptive-K engine (k='auto')")
         b = int(batch_size)
@@ -1803,18 +1765,16 @@ class SpeculativeEngine(_Sharded):
             timers.append(self._round_timer(args, static))
         # every j once per pass, passes repeated, the fastest kept: a slow spell of a shared
         # machine hits all j alike instead of skewing their ratios (the rule reads ratios)
-        times = np.zeros((repeats, self.k + 1))
+        best = np.full(self.k + 1, np.inf)
         for rep in range(repeats + 1):  # the first pass warms up
             for j, timer in enumerate(timers):
                 dt, rounds = timer()
                 if rep:
-                    times[rep - 1, j] = max(dt, 1e-9) / max(rounds, 1)
-        cost = smooth_costs(times.min(axis=0))
-        margin = table_margin(times)
-        cost[1:] *= 1.0 + margin  # what the rule decides by: drafting must pay beyond the error
-        self.set_costs(b, cost, margin=margin)
+                    best[j] = min(best[j], max(dt, 1e-9) / max(rounds, 1))
+        cost = smooth_costs(best)
+        self.set_costs(b, cost)
         if save:
-            _save_costs(self.cost_key(b), dict(costs=cost.tolist(), margin=margin))
+            _save_costs(self.cost_key(b), cost.tolist())
         return cost
 
     def _round_timer(self, args, static):
