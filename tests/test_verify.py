@@ -250,6 +250,22 @@ def test_overlap_alpha_and_expected_tokens():
         np.testing.assert_allclose(V.expected_tokens_per_round(np.full(K, a)), closed, rtol=1e-6)
 
 
+def test_overlap_alpha_of_a_row_is_the_same_in_any_batch():
+    """On CPU the overlap statistic sums in an order fixed by the vocabulary's length (odd
+    lengths included), so a row's value has the same bits alone and among other rows."""
+    rng = np.random.default_rng(7)
+    for v in (49152, 1001):
+        lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(9, 3, v)), jnp.float32))
+        lq = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(9, 3, v)), jnp.float32))
+        many = np.asarray(jax.jit(V.overlap_alpha)(lq, lp))
+        ref = np.minimum(np.exp(np.asarray(lq, np.float64)), np.exp(np.asarray(lp, np.float64))).sum(-1)
+        np.testing.assert_allclose(many, ref, rtol=1e-5)
+        if jax.default_backend() == "cpu":
+            for b in (0, 4, 8):
+                one = np.asarray(jax.jit(V.overlap_alpha)(lq[b:b + 1], lp[b:b + 1]))
+                assert np.array_equal(one[0], many[b])
+
+
 @pytest.mark.parametrize("name", ["token", "block"])
 def test_single_draws_for_greedy_targets_change_nothing(name):
     """``single=True`` (every target row greedy: each emission law has one token) draws that
