@@ -1288,6 +1288,12 @@ class SpeculativeEngine(_Sharded):
         return self.proposer.k
 
     @property
+    def _defers_plain(self) -> bool:
+        """The proposer keeps plain rounds' work (and, for adaptive K, its pass over the
+        prompt) in a backlog for ``catch_up`` (``plain_backlog`` > 0)."""
+        return getattr(self.proposer, "plain_backlog", 0) > 0
+
+    @property
     def tree(self) -> bool:
         """Tree rounds (a tree proposer, or a chain under ``method="tree"``)."""
         return is_tree_proposer(self.proposer)
@@ -1347,8 +1353,7 @@ class SpeculativeEngine(_Sharded):
         # when the plain branch starts with a full backlog; the plain branch's loop stops
         # before a row's backlog is full. These conditionals run once per switch, not per
         # round.
-        deferring = getattr(self.proposer, "plain_backlog", 0) > 0
-        room = self.proposer.backlog_room(carry.proposer_state) if deferring else 0  # static
+        room = self.proposer.backlog_room(carry.proposer_state) if self._defers_plain else 0  # static
 
         def settle(c, drafting: bool):
             if not room:
@@ -1431,7 +1436,7 @@ class SpeculativeEngine(_Sharded):
         tcache = self._c_cache(tcache.with_lengths(self.target_cache_lengths(prompt_lens)))
         # adaptive K catches up before drafting: a proposer that can leave its pass over the
         # prompt to that (init_deferred) costs nothing in a run that never drafts
-        init = prop.init_deferred if self.adaptive and getattr(prop, "plain_backlog", 0) else prop.init
+        init = prop.init_deferred if self.adaptive and self._defers_plain else prop.init
         with self._role("draft"):
             pstate = init(draft_params, prompts, prompt_lens, cache_len, hidden if want_hidden else None)
         state = DecodeState.initial(prompts, prompt_lens, out_cap + k + 1, cache_len + k + 1,

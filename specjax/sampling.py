@@ -356,13 +356,17 @@ def _mass_above(c, pc):
 PAIRWISE_SUM_BACKENDS = ("cpu",)
 
 
-def row_sum(x: jax.Array) -> jax.Array:
+def row_sum(x: jax.Array, halves: bool = False) -> jax.Array:
     """Sum over the last axis. On CPU (:data:`PAIRWISE_SUM_BACKENDS`) in a fixed pairwise
     order that depends only on its length (elementwise adds of neighbouring pairs, level by
     level), so a row's sum does not depend on how many rows there are: XLA's reduce picks
     its summation order, hence the bits, from the whole shape (on CPU a row's log-softmax or
     overlap alpha changed with the batch size). On other backends XLA's reduce (one kernel;
-    the same sum up to float32 rounding)."""
+    the same sum up to float32 rounding). ``halves``: pair each level's first half with its
+    second instead (also fixed by the length; contiguous adds, which XLA CPU keeps fast where
+    the neighbours' reshape fused into a loop over a transposed layout, as in
+    :func:`specjax.verify.overlap_alpha`), for sums that need not stay inside the shards of
+    a sharded vocabulary."""
     if jax.default_backend() not in PAIRWISE_SUM_BACKENDS:
         return jnp.sum(x, axis=-1)
     # neighbours first (x[2i] + x[2i+1], via a reshape): a vocabulary sharded in contiguous
@@ -371,8 +375,11 @@ def row_sum(x: jax.Array) -> jax.Array:
     n = x.shape[-1]
     while n > 1:
         even = n - n % 2
-        pairs = x[..., :even].reshape(x.shape[:-1] + (even // 2, 2))
-        s = pairs[..., 0] + pairs[..., 1]
+        if halves:
+            s = x[..., : even // 2] + x[..., even // 2: even]
+        else:
+            pairs = x[..., :even].reshape(x.shape[:-1] + (even // 2, 2))
+            s = pairs[..., 0] + pairs[..., 1]
         x = jnp.concatenate([s, x[..., even:]], axis=-1) if n % 2 else s
         n = x.shape[-1]
     return x[..., 0]

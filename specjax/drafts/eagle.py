@@ -98,8 +98,7 @@ class EagleProposer(ModelBackedProposer):
         width = self.plain_backlog + (-(-p // c) * c if c > 0 else p)
         backlog = jnp.zeros((b, width) + target_hidden.shape[2:], target_hidden.dtype)
         cfg = self.model.config  # the kept prediction: set by the catch-up (every row has a pair)
-        cache = self.model.init_cache(b, cache_len)
-        return dict(cache=cache.with_lengths(jnp.zeros((b,), jnp.int32)),
+        return dict(cache=self.model.init_cache(b, cache_len),  # empty (lengths 0)
                     h=jnp.zeros((b, cfg.dim), cfg.layer_config().compute_dtype),
                     backlog=backlog.at[:, :p].set(target_hidden), n=(prompt_lens - 1).astype(jnp.int32))
 
