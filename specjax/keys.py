@@ -83,3 +83,40 @@ def uniform_open(key: jax.Array, shape=()) -> jax.Array:
     """float32 uniforms strictly inside (0, 1)."""
     tiny = jnp.finfo(jnp.float32).tiny
     return jax.random.uniform(key, shape, dtype=jnp.float32, minval=tiny, maxval=1.0)
+
+
+# Threefry-2x32 (Salmon et al. 2011) as JAX computes it: 20 rounds, in groups of four
+# with these rotations, a key injection after each group
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _rotate_left(x, r: int):
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def random_bits(key: jax.Array, shape) -> jax.Array:
+    """``jax.random.bits(key, shape, jnp.uint32)``, bit for bit, computed as one unrolled
+    elementwise expression when ``key`` is a threefry2x32 key and JAX's
+    ``jax_threefry_partitionable`` is on (both JAX's defaults): value i (row-major) is
+    the xor of the two words of threefry2x32(key, (0, i)). JAX lowers the hash on CPU as a
+    rolled loop of five passes over the array (``_threefry2x32_cpu_lowering_rule``); this
+    form fuses with what uses the bits (the Gumbel noise of a draw over the vocabulary:
+    2.1x faster for one row of 49,152 values on 2 CPU cores, 7.6x for four). Any other
+    key, or 2**32 values or more: ``jax.random.bits``."""
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    if (not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+            or str(jax.random.key_impl(key)) != "threefry2x32"
+            or not jax.config.jax_threefry_partitionable or n >= 2 ** 32):
+        return jax.random.bits(key, shape, jnp.uint32)
+    data = jax.random.key_data(key)
+    ks = (data[0], data[1], data[0] ^ data[1] ^ np.uint32(0x1BD11BDA))
+    x0 = jnp.full(shape, ks[0], jnp.uint32)  # the high words of the counts are 0
+    x1 = jax.lax.iota(jnp.uint32, n).reshape(shape) + ks[1]
+    for g in range(5):
+        for r in _ROTATIONS[g % 2]:
+            x0 = x0 + x1
+            x1 = x0 ^ _rotate_left(x1, r)
+        x0 = x0 + ks[(g + 1) % 3]
+        x1 = x1 + ks[(g + 2) % 3] + np.uint32(g + 1)
+    return x0 ^ x1

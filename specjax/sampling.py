@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.keys import random_bits
+
 __all__ = ["SamplingParams", "SamplingConfig", "Controls", "make_controls", "process_logits", "process_rows", "sample",
            "sample_rows", "draw_single", "at_most_one_possible", "gumbel"]
 
@@ -561,7 +563,7 @@ def gumbel(key, shape) -> jax.Array:
     ~15.9 for a 23-bit uniform, so tokens down to ~1e-11 of the top probability keep
     their chance.
     """
-    bits = jax.random.bits(key, shape, jnp.uint32)
+    bits = random_bits(key, shape)  # jax.random.bits(key, shape, uint32), bit for bit
     v = (bits.astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -32)
     v = jnp.minimum(v, jnp.float32(1.0 - 2.0 ** -24))
     return -jnp.log(-jnp.log1p(-v))
