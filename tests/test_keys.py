@@ -67,3 +67,24 @@ def test_random_bits_of_other_keys_are_jax_random_bits():
     k = jax.random.key(3, impl="rbg")
     np.testing.assert_array_equal(np.asarray(keys.random_bits(k, (9,))),
                                   np.asarray(jax.random.bits(k, (9,), jnp.uint32)))
+
+
+def test_fold_in_and_uniforms_are_jax_s():
+    """keys.fold_in (every key derivation) and keys.uniform_open (acceptance uniforms) give
+    jax.random.fold_in's keys and jax.random.uniform's floats bit for bit."""
+    import jax.numpy as jnp
+
+    tiny = jnp.finfo(jnp.float32).tiny
+    for k in (keys.seed_key(0), keys.seed_key(2 ** 40 + 3)):
+        for d in (0, 1, 7, 2 ** 31 + 3, 2 ** 32 - 1, jnp.int32(-3), jnp.int32(12)):
+            np.testing.assert_array_equal(np.asarray(jax.random.key_data(keys.fold_in(k, d))),
+                                          np.asarray(jax.random.key_data(jax.random.fold_in(k, d))))
+        for shape in ((), (4,), (2, 3), (10000,)):
+            want = jax.random.uniform(k, shape, jnp.float32, minval=tiny, maxval=1.0)
+            np.testing.assert_array_equal(np.asarray(keys.uniform_open(k, shape)).view(np.uint32),
+                                          np.asarray(want).view(np.uint32))
+    rows = keys.row_keys(3, np.arange(5))
+    got = jax.jit(jax.vmap(lambda k, i: jax.random.key_data(keys.derive(k, i, keys.ACCEPT, i + 1))))(rows, jnp.arange(5))
+    want = jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+        k, i), keys.ACCEPT), i + 1)))(rows, jnp.arange(5))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

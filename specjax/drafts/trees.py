@@ -43,7 +43,7 @@ import numpy as np
 from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_proposer: re-exported)
     ChainTreeProposer, CommitContext, ModelBackedProposer, Proposal, ProposeContext, is_tree_proposer)
 from specjax.models.base import TreeAttention, prefill
-from specjax.keys import DRAFT, position_key, role_key
+from specjax.keys import DRAFT, fold_in, position_key, role_key
 from specjax.sampling import gumbel, sample
 from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, accept_table, full_tree_shape, positional_tree_shape,
                           select_level, shape_depths)
@@ -330,14 +330,14 @@ def draw_candidates(candidates: str, draft_keys, token_map=None) -> Callable:
     def draw(q, level, ctx_idx, b):
         qs = q if tm is None else jnp.take(q, tm, axis=-1)
         lvl = jax.vmap(lambda k: position_key(k, level))(draft_keys)  # [B]
-        keys = jax.vmap(lambda k: jax.vmap(lambda c: jax.random.fold_in(k, c))(jnp.asarray(ctx_idx)))(lvl)
+        keys = jax.vmap(lambda k: jax.vmap(lambda c: fold_in(k, c))(jnp.asarray(ctx_idx)))(lvl)
         if candidates == "without_replacement":
             g = jax.vmap(jax.vmap(lambda k: gumbel(k, qs.shape[-1:])))(keys)
             score, idx = jax.lax.top_k(qs.astype(jnp.float32) + g, b)
             ok = score > -jnp.inf
         else:
             def one(k, row):
-                return jax.vmap(lambda c: sample(jax.random.fold_in(k, c), row))(jnp.arange(b))
+                return jax.vmap(lambda c: sample(fold_in(k, c), row))(jnp.arange(b))
             idx = jax.vmap(jax.vmap(one))(keys, qs)
             ok = idx >= 0
         idx = jnp.maximum(idx, 0).astype(jnp.int32)
