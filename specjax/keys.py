@@ -117,8 +117,8 @@ def random_bits(key: jax.Array, shape) -> jax.Array:
     """``jax.random.bits(key, shape, jnp.uint32)``, bit for bit, computed by the unrolled
     hash when :func:`_unrolled` holds: value i (row-major) is the xor of the two words of
     threefry2x32(key, (0, i)). Fused with what uses the bits (the Gumbel noise of a draw
-    over the vocabulary): 2.1x faster than JAX's rolled loop for one row of 49,152 values
-    on 2 CPU cores, 7.6x for four. Any other key, or 2**32 values or more:
+    over the vocabulary): about 2x faster than JAX's rolled loop for one row of 49,152
+    values on 2 CPU cores, 7.6x for four. Any other key, or 2**32 values or more:
     ``jax.random.bits``."""
     shape = tuple(int(d) for d in shape)
     n = int(np.prod(shape, dtype=np.int64))
