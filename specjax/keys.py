@@ -79,8 +79,6 @@ def derive(row_key: jax.Array, round_index, role: int, position) -> jax.Array:
     return position_key(role_key(round_key(row_key, round_index), role), position)
 
 
-
-
 # Threefry-2x32 (Salmon et al. 2011) as JAX computes it: 20 rounds, in groups of four
 # with these rotations, a key injection after each group
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -107,9 +105,10 @@ def _threefry2x32(k0, k1, x0, x1):
 
 
 def _unrolled(key) -> bool:
-    """``key`` is a threefry2x32 key and JAX draws with partitionable counts (both JAX's
-    defaults): what :func:`random_bits` and :func:`fold_in` reproduce."""
-    return (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    """``key`` is one threefry2x32 key (not an array of them: JAX refuses those, and so do
+    these through it) and JAX draws with partitionable counts (both JAX's defaults): what
+    :func:`random_bits` and :func:`fold_in` reproduce."""
+    return (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 0
             and str(jax.random.key_impl(key)) == "threefry2x32" and bool(jax.config.jax_threefry_partitionable))
 
 
