@@ -67,6 +67,11 @@ def test_random_bits_of_other_keys_are_jax_random_bits():
     k = jax.random.key(3, impl="rbg")
     np.testing.assert_array_equal(np.asarray(keys.random_bits(k, (9,))),
                                   np.asarray(jax.random.bits(k, (9,), jnp.uint32)))
+    tiny = jnp.finfo(jnp.float32).tiny
+    for shape in ((), (5,)):  # uniform_open's float conversion over JAX's bits
+        np.testing.assert_array_equal(
+            np.asarray(keys.uniform_open(k, shape)).view(np.uint32),
+            np.asarray(jax.random.uniform(k, shape, jnp.float32, minval=tiny, maxval=1.0)).view(np.uint32))
     rows = keys.row_keys(0, [0, 1])  # an array of keys: refused as JAX refuses it, not misread
     with pytest.raises(ValueError, match="single key"):
         keys.random_bits(rows, (3,))
