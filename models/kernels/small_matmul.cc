@@ -22,9 +22,17 @@
 // Weights may also be float16 (SpecjaxSmallMatmulF16: x and y stay float32, each weight
 // vector is widened in registers as it is loaded), which halves the bytes streamed for
 // weights that are stored in float16 anyway (the shipped draft head).
+// Or GGUF blocks (SpecjaxBlockMatmul): an int8 code per weight and a float32 scale and
+// offset per block of 32 input rows and column, each weight vector rebuilt in registers as
+// fma(code, scale, offset). For llama.cpp's Q8_0 (d * q), Q4_0 (d * (q - 8)) and Q4_1
+// (d * q + m) the product of a float16 scale (11 significant bits) and a code of at most 8
+// bits is exact in float32, so the fma rounds once, as gguf's own dequantization does: the
+// weights, and with the same summation order y, have the float32 path's bits, from 1.25
+// bytes per weight instead of 4.
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -83,19 +91,21 @@ constexpr bool kHaveF16 = true;
 constexpr bool kHaveF16 = false;
 #endif
 
-template <int TM, int NV, bool NEXT_UNIT = false, class W>
+// WS: the weights' row stride when not n (a rebuilt unit of GGUF blocks, see Job)
+template <int TM, int NV, bool NEXT_UNIT = false, class W, int64_t WS = 0>
 inline void Micro(const float* __restrict xt, int64_t xs, const W* __restrict w, int64_t rows, int64_t n,
                   float* __restrict p, bool first) {
+  const int64_t ws = WS ? WS : n;
   v16 acc[TM][NV];
   for (int t = 0; t < TM; ++t)
     for (int j = 0; j < NV; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
   for (int64_t r = 0; r < rows; ++r) {
-    const W* wr = w + r * n;
+    const W* wr = w + r * ws;
     // may point past the end: prefetch never faults. Into L2/L3 (locality 1), not L1: with
     // L1 prefetches a 5-row step ran ~20% slower (the FMAs and the stream then compete).
     // NEXT_UNIT: the same row of the next column unit (several register groups, see
     // kTileRowsMany), else kPrefetchRows rows ahead in this unit.
-    const W* pf = NEXT_UNIT ? wr + 16 * NV : wr + kPrefetchRows * n;
+    const W* pf = NEXT_UNIT ? wr + 16 * NV : wr + kPrefetchRows * ws;
     for (int j = 0; j < NV; ++j) __builtin_prefetch(pf + 16 * j, 0, 1);
     v16 wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = LoadW(wr + 16 * j);
@@ -109,18 +119,102 @@ inline void Micro(const float* __restrict xt, int64_t xs, const W* __restrict w,
 }
 
 // Micro<tm, NV> for a runtime tm in 1..TM
-template <int NV, int TM, bool NEXT_UNIT = false, class W>
+template <int NV, int TM, bool NEXT_UNIT = false, class W, int64_t WS = 0>
 inline void MicroUpTo(int tm, const float* xt, int64_t xs, const W* w, int64_t rows, int64_t n, float* p,
                       bool first) {
   if constexpr (TM > 1) {
-    if (tm < TM) return MicroUpTo<NV, TM - 1, NEXT_UNIT>(tm, xt, xs, w, rows, n, p, first);
+    if (tm < TM) return MicroUpTo<NV, TM - 1, NEXT_UNIT, W, WS>(tm, xt, xs, w, rows, n, p, first);
   }
-  Micro<TM, NV, NEXT_UNIT>(xt, xs, w, rows, n, p, first);
+  Micro<TM, NV, NEXT_UNIT, W, WS>(xt, xs, w, rows, n, p, first);
+}
+
+// GGUF blocks: the weight rows of a block of kBlockRows input rows share a scale and offset
+// per column (code: int8, row-major like a float weight; scale, offset: [K / kBlockRows, N])
+constexpr int64_t kBlockRows = 32;
+
+inline v16 Dequant(const int8_t* c, v16 s, v16 o) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+  __m512 sv, ov;
+  std::memcpy(&sv, &s, sizeof(sv));
+  std::memcpy(&ov, &o, sizeof(ov));
+  const __m512 w = _mm512_fmadd_ps(f, sv, ov);  // one rounding (the product is exact)
+  v16 r;
+  std::memcpy(&r, &w, sizeof(r));
+  return r;
+#else
+  v16 r;
+  for (int i = 0; i < 16; ++i) r[i] = __builtin_fmaf(static_cast<float>(c[i]), s[i], o[i]);
+  return r;
+#endif
+}
+
+// Micro with w[r, :] = fma(code[r, :], scale[b, :], offset[b, :]), b = (row0 + r) / kBlockRows
+// (row0: the input row of this tile's first row); the same sums as Micro over those weights
+template <int TM, int NV, bool NEXT_UNIT = false>
+inline void MicroBlock(const float* __restrict xt, int64_t xs, const int8_t* __restrict w,
+                       const float* __restrict sc, const float* __restrict of, int64_t row0, int64_t rows,
+                       int64_t n, float* __restrict p, bool first) {
+  v16 acc[TM][NV];
+  for (int t = 0; t < TM; ++t)
+    for (int j = 0; j < NV; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
+  v16 s[NV], o[NV];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t ra = row0 + r;
+    if (r == 0 || ra % kBlockRows == 0) {
+      const int64_t b = ra / kBlockRows;
+      for (int j = 0; j < NV; ++j) {
+        s[j] = load16(sc + b * n + 16 * j);
+        o[j] = load16(of + b * n + 16 * j);
+      }
+    }
+    const int8_t* wr = w + r * n;
+    __builtin_prefetch(NEXT_UNIT ? wr + 16 * NV : wr + kPrefetchRows * n, 0, 1);  // NV x 16 bytes: one line
+    v16 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = Dequant(wr + 16 * j, s[j], o[j]);
+    for (int t = 0; t < TM; ++t) {
+      const float b = xt[r * xs + t];
+      for (int j = 0; j < NV; ++j) acc[t][j] += b * wv[j];
+    }
+  }
+  for (int t = 0; t < TM; ++t)
+    for (int j = 0; j < NV; ++j) store16(p + t * n + 16 * j, acc[t][j]);
+}
+
+template <int NV, int TM, bool NEXT_UNIT = false>
+inline void MicroBlockUpTo(int tm, const float* xt, int64_t xs, const int8_t* w, const float* sc, const float* of,
+                           int64_t row0, int64_t rows, int64_t n, float* p, bool first) {
+  if constexpr (TM > 1) {
+    if (tm < TM) return MicroBlockUpTo<NV, TM - 1, NEXT_UNIT>(tm, xt, xs, w, sc, of, row0, rows, n, p, first);
+  }
+  MicroBlock<TM, NV, NEXT_UNIT>(xt, xs, w, sc, of, row0, rows, n, p, first);
+}
+
+// rows x 64 columns of GGUF blocks (code at w, row stride n; sc / of at the same column,
+// row0 the input row of the first row) rebuilt as float32 into out (row stride 64)
+inline void DequantUnit(const int8_t* __restrict w, const float* __restrict sc, const float* __restrict of,
+                        int64_t row0, int64_t rows, int64_t n, float* __restrict out) {
+  v16 s[4], o[4];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t ra = row0 + r;
+    if (r == 0 || ra % kBlockRows == 0) {
+      const int64_t b = ra / kBlockRows;
+      for (int j = 0; j < 4; ++j) {
+        s[j] = load16(sc + b * n + 16 * j);
+        o[j] = load16(of + b * n + 16 * j);
+      }
+    }
+    const int8_t* wr = w + r * n;
+    __builtin_prefetch(wr + 64, 0, 1);  // the same row of the next unit
+    for (int j = 0; j < 4; ++j) store16(out + r * 64 + 16 * j, Dequant(wr + 16 * j, s[j], o[j]));
+  }
 }
 
 template <class W>
 struct Job {
   const W* w = nullptr;
+  const float* sc = nullptr;  // GGUF blocks (W = int8_t): scale and offset [K / kBlockRows, N]
+  const float* of = nullptr;
   const float* xt = nullptr;  // [groups][K][gr], x transposed per group of gr rows
   int64_t m = 0, k = 0, n = 0, chunks = 0;
   int64_t gr = kMaxRows;     // rows per register group: kMaxRows (64-column units) or kMaxRowsNarrow (32)
@@ -137,6 +231,7 @@ struct Job {
     const bool narrow = gr == kMaxRowsNarrow;
     const int64_t groups = (m + gr - 1) / gr, unit = narrow ? 32 : 64;
     const int64_t tile = groups > 1 ? kTileRowsMany : kTileRows;
+    alignas(64) float unit_buf[std::is_same_v<W, int8_t> ? kTileRowsMany * 64 : 1];  // GGUF blocks: a rebuilt unit
     for (int64_t r0 = k0; r0 < k1; r0 += tile) {
       const int64_t rows = k1 - r0 < tile ? k1 - r0 : tile;
       const W* w_tile = w + r0 * n;
@@ -145,12 +240,25 @@ struct Job {
           const int tm = static_cast<int>(m - g * gr < gr ? m - g * gr : gr);
           const float* xg = xt + (g * k + r0) * gr;
           float* pg = p + g * gr * n + u;
-          if (narrow)
+          if constexpr (std::is_same_v<W, int8_t>) {
+            if (groups > 1) {
+              // several register groups: the unit is rebuilt once (first group) into an L1
+              // buffer that every group reads, instead of once per group
+              if (g == 0) DequantUnit(w_tile + u, sc + u, of + u, r0, rows, n, unit_buf);
+              MicroUpTo<4, kMaxRows, false, float, 64>(tm, xg, gr, unit_buf, rows, n, pg, r0 == k0);
+            } else if (narrow)
+              MicroBlockUpTo<2, kMaxRowsNarrow>(tm, xg, gr, w_tile + u, sc + u, of + u, r0, rows, n, pg, r0 == k0);
+            else if (groups > 1)
+              MicroBlockUpTo<4, kMaxRows, true>(tm, xg, gr, w_tile + u, sc + u, of + u, r0, rows, n, pg, r0 == k0);
+            else
+              MicroBlockUpTo<4, kMaxRows>(tm, xg, gr, w_tile + u, sc + u, of + u, r0, rows, n, pg, r0 == k0);
+          } else if (narrow) {
             MicroUpTo<2, kMaxRowsNarrow>(tm, xg, gr, w_tile + u, rows, n, pg, r0 == k0);
-          else if (groups > 1)
+          } else if (groups > 1) {
             MicroUpTo<4, kMaxRows, true>(tm, xg, gr, w_tile + u, rows, n, pg, r0 == k0);
-          else
+          } else {
             MicroUpTo<4, kMaxRows>(tm, xg, gr, w_tile + u, rows, n, pg, r0 == k0);
+          }
         }
     }
   }
@@ -205,48 +313,11 @@ struct BigJob {
   }
 };
 
-// y[M, N] = x[M, K] @ w[K, N] for the K x N weights at wp (row-major). Shared by the 2-D
-// handlers and the stacked ones, which read one layer of w[L, K, N] in place.
-template <ffi::DataType WT, class W>
-ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* wp, int64_t k, int64_t n,
-                      ffi::ResultBuffer<ffi::F32>& y) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] != k || n % 64 != 0 || xd[0] < 1)
-    return ffi::Error::InvalidArgument(
-        "specjax small_matmul: expected x[M, K] and w[K, N] with N a multiple of 64");
-  if constexpr (WT == ffi::F16) {
-    if (!kHaveF16) return ffi::Error::InvalidArgument("specjax small_matmul: float16 weights need F16C");
-  }
-  const int64_t m = xd[0];
-  int64_t threads = pool.num_threads();
-  if (threads < 1) threads = 1;
-  // The K ranges: their number depends only on N, K and the thread count (never on M), and
-  // both paths below sum each range from zero and add the ranges in order.
-  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
-  int64_t chunks = col_blocks >= 2 * threads ? threads : 2 * threads;
-  if (chunks > kMaxChunks) chunks = kMaxChunks;
-  while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
-
+// The streaming path (M <= kMaxSmallRows rows): y[M, N] = x[M, K] @ w[K, N].
+template <class W>
+void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t chunks, int64_t col_blocks, const float* xp,
+                int64_t m, const W* wp, const float* sc, const float* of, int64_t k, int64_t n, float* yp) {
   thread_local std::vector<float> xt_buf, partial_buf;
-  const float* xp = x.typed_data();
-  if (m > kMaxSmallRows) {
-    const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-    xt_buf.assign(groups * k * kMaxRows, 0.f);
-    for (int64_t t = 0; t < m; ++t)
-      for (int64_t i = 0; i < k; ++i) xt_buf[((t / kMaxRows) * k + i) * kMaxRows + t % kMaxRows] = xp[t * k + i];
-    BigJob<W> job;
-    job.w = wp;
-    job.xt = xt_buf.data();
-    job.y = y->typed_data();
-    job.m = m;
-    job.k = k;
-    job.n = n;
-    job.chunks = chunks;
-    job.groups = groups;
-    job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
-    RunTasks(pool, (n / 64) * job.row_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
-    return ffi::Error::Success();
-  }
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
   // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on a 12-row narrow block
@@ -266,6 +337,8 @@ ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* 
 
   Job<W> job;
   job.w = wp;
+  job.sc = sc;
+  job.of = of;
   job.xt = xt_buf.data();
   job.m = m;
   job.k = k;
@@ -276,16 +349,71 @@ ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* 
   const int64_t stride = (m * n + 15) / 16 * 16;
   partial_buf.resize((chunks - 1) * stride + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(partial_buf.data()) + 63) & ~uintptr_t{63});
-  job.out[0] = y->typed_data();  // chunk 0 writes y directly; the others add into it below
+  job.out[0] = yp;  // chunk 0 writes y directly; the others add into it below
   for (int64_t c = 1; c < chunks; ++c) job.out[c] = base + (c - 1) * stride;
 
   RunTasks(pool, chunks * col_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
 
-  float* yp = y->typed_data();
   for (int64_t c = 1; c < chunks; ++c) {
     const float* pc = job.out[c];
     for (int64_t i = 0; i < m * n; ++i) yp[i] += pc[i];
   }
+}
+
+// y[M, N] = x[M, K] @ w[K, N] for the K x N weights at wp (row-major; GGUF blocks: the codes,
+// with sc / of their scales and offsets [K / kBlockRows, N]). Shared by the 2-D handlers and
+// the stacked ones, which read one layer of w[L, K, N] in place.
+template <ffi::DataType WT, class W>
+ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* wp, int64_t k, int64_t n,
+                      ffi::ResultBuffer<ffi::F32>& y, const float* sc = nullptr, const float* of = nullptr) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] != k || n % 64 != 0 || xd[0] < 1)
+    return ffi::Error::InvalidArgument(
+        "specjax small_matmul: expected x[M, K] and w[K, N] with N a multiple of 64");
+  if constexpr (WT == ffi::F16) {
+    if (!kHaveF16) return ffi::Error::InvalidArgument("specjax small_matmul: float16 weights need F16C");
+  }
+  const int64_t m = xd[0];
+  int64_t threads = pool.num_threads();
+  if (threads < 1) threads = 1;
+  // The K ranges: their number depends only on N, K and the thread count (never on M), and
+  // both paths below sum each range from zero and add the ranges in order.
+  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
+  int64_t chunks = col_blocks >= 2 * threads ? threads : 2 * threads;
+  if (chunks > kMaxChunks) chunks = kMaxChunks;
+  while (chunks > 1 && k / chunks < 2 * kTileRows) --chunks;
+
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  if (m > kMaxSmallRows) {
+    if constexpr (std::is_same_v<W, int8_t>) {
+      // GGUF blocks: the streaming path per kMaxSmallRows rows (a row's sums do not depend on
+      // M); rebuilding the weights costs little beside 64 rows of FMAs
+      for (int64_t r = 0; r < m; r += kMaxSmallRows)
+        StreamRows<W>(pool, threads, chunks, col_blocks, xp + r * k, m - r < kMaxSmallRows ? m - r : kMaxSmallRows,
+                      wp, sc, of, k, n, yp + r * n);
+      return ffi::Error::Success();
+    } else {
+      thread_local std::vector<float> xt_buf;
+      const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+      xt_buf.assign(groups * k * kMaxRows, 0.f);
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t i = 0; i < k; ++i) xt_buf[((t / kMaxRows) * k + i) * kMaxRows + t % kMaxRows] = xp[t * k + i];
+      BigJob<W> job;
+      job.w = wp;
+      job.xt = xt_buf.data();
+      job.y = yp;
+      job.m = m;
+      job.k = k;
+      job.n = n;
+      job.chunks = chunks;
+      job.groups = groups;
+      job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
+      RunTasks(pool, (n / 64) * job.row_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
+      return ffi::Error::Success();
+    }
+  }
+  StreamRows<W>(pool, threads, chunks, col_blocks, xp, m, wp, sc, of, k, n, yp);
   return ffi::Error::Success();
 }
 
@@ -309,6 +437,39 @@ ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("specjax stacked small_matmul: layer out of range");
   const W* base = reinterpret_cast<const W*>(w.typed_data());
   return MatmulCore<WT, W>(pool, x, base + l * wd[1] * wd[2], wd[1], wd[2], y);
+}
+
+// GGUF blocks: x[M, K] @ (code[K, N] rebuilt with scale / offset [K / 32, N]); stacked:
+// layer `layer` of code[L, K, N], scale / offset [L, K / 32, N], read in place.
+ffi::Error BlockCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& code,
+                     ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& offset, int64_t layer, int stacked,
+                     ffi::ResultBuffer<ffi::F32>& y) {
+  const auto cd = code.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  const size_t nd = stacked ? 3 : 2;
+  if (cd.size() != nd || sd.size() != nd || od.size() != nd)
+    return ffi::Error::InvalidArgument("specjax block_matmul: expected code[(L,) K, N] and scale, offset[(L,) K/32, N]");
+  const int64_t k = cd[nd - 2], n = cd[nd - 1];
+  for (size_t i = 0; i < nd; ++i)
+    if (sd[i] != od[i] || sd[i] != (i == nd - 2 ? k / kBlockRows : cd[i]))
+      return ffi::Error::InvalidArgument("specjax block_matmul: scale / offset do not match code[(L,) K, N] in blocks of 32");
+  if (k % kBlockRows) return ffi::Error::InvalidArgument("specjax block_matmul: K is not a multiple of 32");
+  if (stacked && (layer < 0 || layer >= cd[0]))
+    return ffi::Error::InvalidArgument("specjax stacked block_matmul: layer out of range");
+  const int64_t l = stacked ? layer : 0;
+  const auto* wp = reinterpret_cast<const int8_t*>(code.typed_data()) + l * k * n;
+  const int64_t so = l * (k / kBlockRows) * n;
+  return MatmulCore<ffi::S8, int8_t>(pool, x, wp, k, n, y, scale.typed_data() + so, offset.typed_data() + so);
+}
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> code,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+  return BlockCore(pool, x, code, scale, offset, 0, 0, y);
+}
+
+ffi::Error StackedBlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> code,
+                                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return BlockCore(pool, x, code, scale, offset, layer.typed_data()[0], 1, y);
 }
 
 }  // namespace
@@ -338,4 +499,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulF16, (SmallMatmulImpl<ffi::F16, 
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmul, BlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulStacked, StackedBlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
