@@ -244,9 +244,16 @@ class EagleConfig:
         return cls(**dict(d))
 
 
+def _embedding_weights(target) -> dict:
+    """The target's float32 ``embed`` (and ``lm_head``), canonical [V, D]: without the layers
+    where the model can (a GGUF block model would rebuild them all)."""
+    f = getattr(target, "embedding_weights", None)
+    return f() if callable(f) else target.canonical_weights()
+
+
 def target_head(target) -> np.ndarray:
     """The target's output head [V, D] (its embedding when tied)."""
-    w = target.canonical_weights()
+    w = _embedding_weights(target)
     return w["embed"] if target.config.tie_embeddings else w["lm_head"]
 
 
@@ -512,7 +519,7 @@ class EagleModel:
         if any(i > tcfg.n_layers for i in config.feature_layers):
             raise ValueError(f"EAGLE head feature_layers {list(config.feature_layers)} do not fit the "
                              f"target's {tcfg.n_layers} layers (hidden-state indices 0..{tcfg.n_layers})")
-        w = target.canonical_weights()
+        w = _embedding_weights(target)
         head = None if tcfg.tie_embeddings else w["lm_head"]
         return cls.build(config, w["embed"], head, trainable, token_map, seed)
 

@@ -618,9 +618,11 @@ class BlockWeights:
         return tuple(self.code.shape)
 
     def dequantize(self) -> np.ndarray:
-        s = np.repeat(np.asarray(self.scale, np.float32), BLOCK_ROWS, axis=-1)
-        o = np.repeat(np.asarray(self.offset, np.float32), BLOCK_ROWS, axis=-1)
-        return (np.asarray(self.code).astype(np.float32) * s) + o
+        code = np.asarray(self.code)
+        w = code.reshape(code.shape[:-1] + (-1, BLOCK_ROWS)).astype(np.float32)  # one buffer, in place below
+        np.multiply(w, np.asarray(self.scale, np.float32)[..., None], out=w)
+        np.add(w, np.asarray(self.offset, np.float32)[..., None], out=w)
+        return w.reshape(code.shape)
 
 
 def _dense(w) -> Any:
@@ -634,42 +636,65 @@ def _dense(w) -> Any:
 _BLOCK_INPUT_AXES = {"wqkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
 
 
+def _fuse_block_params(cfg: LlamaConfig, w: Mapping[str, Any], lead: tuple) -> dict:
+    """Scales (or offsets) of a layer's block matrices, canonical ``[..., out, in / 32]``, in
+    :func:`fuse_layer`'s layout with the input axis 32 times shorter (its steps, with the
+    block counts in place of the input sizes)."""
+    D, H, Nkv, G, N = cfg.dim, cfg.head_dim, cfg.n_kv_heads, cfg.group_size, cfg.n_heads
+    n, d = len(lead), D // BLOCK_ROWS
+    q = w["wq"].reshape(lead + (Nkv, G, H, d))
+    k = w["wk"].reshape(lead + (Nkv, 1, H, d))
+    v = w["wv"].reshape(lead + (Nkv, 1, H, d))
+    qkv = np.concatenate([q, k, v], axis=-3)
+    gu = np.stack([w["w_gate"], w["w_up"]], axis=n)
+    c = np.ascontiguousarray
+    return {"wqkv": c(np.moveaxis(qkv, -1, n)),  # [.., D/32, Nkv, G+2, H]
+            "wo": c(np.swapaxes(w["wo"], -1, -2)).reshape(lead + (N, H // BLOCK_ROWS, D)),
+            "w_gate_up": c(np.moveaxis(gu, -1, n)),  # [.., D/32, 2, F]
+            "w_down": c(np.swapaxes(w["w_down"], -1, -2))}  # [.., F/32, D]
+
+
 def fuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     """:func:`fuse_layer` for a layer whose matrices are :class:`BlockWeights`: the fused
     codes under each matrix's name and its scales / offsets under ``name + "_scale"`` /
-    ``"_offset"``, in the fused layout with the input axis 32 times shorter (the scales are
-    laid out in full, fused like the weights, and every 32nd input row kept)."""
-    mats = [k for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    ``"_offset"``, in the fused layout with the input axis 32 times shorter."""
+    mats = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     missing = [k for k in mats if not isinstance(w[k], BlockWeights)]
     if missing:
         raise ValueError(f"weight_blocks: {missing} are not BlockWeights")
     plain = {k: v for k, v in w.items() if k not in mats}
     out = fuse_layer(cfg, {**plain, **{k: w[k].code for k in mats}})
-    n = np.ndim(w["attn_norm"]) - 1  # leading (layer) axes
+    lead = np.shape(w["attn_norm"])[:-1]
     for part in ("scale", "offset"):
-        full = fuse_layer(cfg, {**plain, **{k: np.repeat(getattr(w[k], part), BLOCK_ROWS, axis=-1) for k in mats}})
-        for name, axes in _BLOCK_INPUT_AXES.items():
-            idx = [slice(None)] * full[name].ndim
-            idx[n + axes[-1]] = slice(None, None, BLOCK_ROWS)
-            out[f"{name}_{part}"] = np.ascontiguousarray(full[name][tuple(idx)])
+        fused = _fuse_block_params(cfg, {k: np.asarray(getattr(w[k], part), np.float32) for k in mats}, lead)
+        out.update({f"{name}_{part}": a for name, a in fused.items()})
     return out
 
 
 def unfuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     """Inverse of :func:`fuse_blocks`: canonical weights with :class:`BlockWeights` matrices."""
     w = {k: _np(v) for k, v in w.items()}
-    base = {k: v for k, v in w.items() if not k.endswith(("_scale", "_offset"))}
-    codes = unfuse_layer(cfg, base)
-    n = np.ndim(w["attn_norm"]) - 1
+    codes = unfuse_layer(cfg, {k: v for k, v in w.items() if not k.endswith(("_scale", "_offset"))})
+    lead = np.shape(w["attn_norm"])[:-1]
+    n, d = len(lead), cfg.dim // BLOCK_ROWS
+    D, H, Nkv, G, N = cfg.dim, cfg.head_dim, cfg.n_kv_heads, cfg.group_size, cfg.n_heads
+    c = np.ascontiguousarray
     parts = {}
-    for part in ("scale", "offset"):
-        full = dict(base)
-        for name, axes in _BLOCK_INPUT_AXES.items():
-            full[name] = np.repeat(w[f"{name}_{part}"], BLOCK_ROWS, axis=n + axes[-1])
-        parts[part] = unfuse_layer(cfg, full)
+    for part in ("scale", "offset"):  # the steps of _fuse_block_params, undone
+        qkv = np.moveaxis(w[f"wqkv_{part}"], n, -1)  # [.., Nkv, G+2, H, D/32]
+        gu = np.moveaxis(w[f"w_gate_up_{part}"], n, -1)  # [.., 2, F, D/32]
+        parts[part] = {
+            "wq": c(qkv[..., :G, :, :]).reshape(lead + (Nkv * G * H, d)),
+            "wk": c(qkv[..., G, :, :]).reshape(lead + (Nkv * H, d)),
+            "wv": c(qkv[..., G + 1, :, :]).reshape(lead + (Nkv * H, d)),
+            "wo": c(np.swapaxes(w[f"wo_{part}"].reshape(lead + (N * H // BLOCK_ROWS, D)), -1, -2)),
+            "w_gate": c(gu[(slice(None),) * n + (0,)]),
+            "w_up": c(gu[(slice(None),) * n + (1,)]),
+            "w_down": c(np.swapaxes(w[f"w_down_{part}"], -1, -2)),
+        }
     out = dict(codes)
     for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-        out[k] = BlockWeights(codes[k], *(np.ascontiguousarray(parts[p][k][..., ::BLOCK_ROWS]) for p in ("scale", "offset")))
+        out[k] = BlockWeights(codes[k], parts["scale"][k], parts["offset"][k])
     return out
 
 
@@ -1034,6 +1059,21 @@ class Llama(nnx.Module):
             out = {k: _dense(v) for k, v in out.items()}
         return out
 
+    def embedding_weights(self) -> dict:
+        """``{"embed": [V, D]}`` (and ``"lm_head"`` when untied) as float32 numpy arrays: the
+        part of :meth:`canonical_weights` a draft built on the target needs, without
+        rebuilding the layers' blocks."""
+        out = {}
+        for name in ("embed", "lm_head"):
+            if hasattr(self, name):
+                if hasattr(self, f"{name}_scale"):
+                    w = BlockWeights(*(np.ascontiguousarray(_np(getattr(self, n)[...]).T)
+                                       for n in (name, f"{name}_scale", f"{name}_offset")))
+                    out[name] = w.dequantize()
+                else:
+                    out[name] = np.ascontiguousarray(_np(getattr(self, name)[...]).T)
+        return out
+
     def _head_weights(self):
         """(code or float weights [D, V], scale, offset or None) of the LM head."""
         name = "embed" if self.cfg.tie_embeddings else "lm_head"
@@ -1229,6 +1269,10 @@ class LlamaLM:
         """numpy canonical weights (see module docstring), e.g. for export; float32 values
         unless ``blocks``, which keeps GGUF block matrices as :class:`BlockWeights`."""
         return self.module(self.params).canonical_weights(blocks)
+
+    def embedding_weights(self) -> dict:
+        """The float32 embedding (and untied LM head), canonical [V, D]: see :meth:`Llama.embedding_weights`."""
+        return self.module(self.params).embedding_weights()
 
     def with_config(self, **changes) -> "LlamaLM":
         """Same weights, new config (e.g. ``scan_layers=True``, ``dtype='bfloat16'``;

@@ -188,7 +188,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
             raise ValueError(f"draft vocabulary V={cfg.vocab_size} does not match the target's "
                              f"V={target.vocab_size}")
         if meta.get("info", {}).get("embed_from_target") or "embed" not in w:
-            tw = target.canonical_weights()
+            tw = target.embedding_weights() if hasattr(target, "embedding_weights") else target.canonical_weights()
             w["embed"] = tw["embed"]
             if not cfg.tie_embeddings and "lm_head" not in w:
                 w["lm_head"] = tw.get("lm_head", tw["embed"])
