@@ -617,6 +617,14 @@ class BlockWeights:
     def shape(self) -> tuple:
         return tuple(self.code.shape)
 
+    @property
+    def ndim(self) -> int:
+        return self.code.ndim
+
+    def __getitem__(self, idx) -> "BlockWeights":
+        """Index the leading (e.g. layer) axes of all three arrays alike."""
+        return BlockWeights(self.code[idx], self.scale[idx], self.offset[idx])
+
     def dequantize(self) -> np.ndarray:
         code = np.asarray(self.code)
         w = code.reshape(code.shape[:-1] + (-1, BLOCK_ROWS)).astype(np.float32)  # one buffer, in place below

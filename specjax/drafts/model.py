@@ -99,7 +99,7 @@ def first_layers_draft(target, n_layers: int):
     cfg = target.config
     if not 1 <= n_layers <= cfg.n_layers:
         raise ValueError(f"layers:{n_layers}: the target has {cfg.n_layers} layers")
-    w = target.canonical_weights()
+    w = target.canonical_weights(blocks=True) if getattr(cfg, "weight_blocks", False) else target.canonical_weights()
     w = {k: (v[:n_layers] if getattr(v, "ndim", 0) >= 1 and v.shape[0] == cfg.n_layers
              and k not in ("embed", "final_norm", "lm_head") else v) for k, v in w.items()}
     return LlamaLM.from_weights(cfg.replace(n_layers=n_layers, name=f"{cfg.name}-first{n_layers}"), w)

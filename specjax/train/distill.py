@@ -644,7 +644,7 @@ def build_draft(cfg: RunConfig, target, train_data) -> Draft:
         n = dr.n_layers
         if n > tcfg.n_layers:
             raise ConfigError(f"draft.n_layers={n} exceeds the target's {tcfg.n_layers} layers")
-        lcfg = tcfg.replace(n_layers=n, name="draft")
+        lcfg = tcfg.replace(n_layers=n, name="draft", weight_blocks=False)  # trained: float32 weights
         w = {k: (v[:n] if k not in ("embed", "lm_head", "final_norm") else v) for k, v in tw.items()}
         lm = LlamaLM.from_weights(lcfg, w)
         frozen_names = ("embed", "lm_head") if dr.freeze_embed else ()
