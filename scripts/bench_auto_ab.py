@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="", help="fixed K values to time as well, e.g. 2,3")
     ap.add_argument("--groups", type=int, default=1, help="batches of different prompts per timed call")
     ap.add_argument("--passes", type=int, default=7, help="timed passes over all engines")
+    ap.add_argument("--float-weights", action="store_true",
+                    help="the target's GGUF blocks dequantized to float32 (weight_blocks=False), as before")
     a = ap.parse_args(argv)
     if a.fresh_costs:
         os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-costs-")
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
     from scripts.bench.config import read_prompts
     from specjax import build, sampling
 
-    target, tok, _ = build.load_target("default")
+    target, tok, _ = build.load_target("default", **({"weight_blocks": False} if a.float_weights else {}))
+    print(f"target weights: {'GGUF blocks' if target.config.weight_blocks else 'float32'}", flush=True)
     draft, _ = build.resolve_draft("default", target)
     ar = build.make_autoregressive_engine(target)
     auto = build.make_engine(target, draft, "auto")

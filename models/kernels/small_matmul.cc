@@ -28,7 +28,8 @@
 // (d * q + m) the product of a float16 scale (11 significant bits) and a code of at most 8
 // bits is exact in float32, so the fma rounds once, as gguf's own dequantization does: the
 // weights, and with the same summation order y, have the float32 path's bits, from 1.25
-// bytes per weight instead of 4.
+// bytes per weight instead of 4. Several register groups rebuild a 64 x 64 unit once into an
+// L1 buffer that all of them read; above kMaxSmallRows rows BigJob rebuilds its panels.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -283,6 +284,8 @@ constexpr int64_t kRowBlockGroups = 32;  // groups of kMaxRows rows per task
 template <class W>
 struct BigJob {
   const W* w = nullptr;
+  const float* sc = nullptr;  // GGUF blocks (W = int8_t): the panel is rebuilt in float32
+  const float* of = nullptr;
   const float* xt = nullptr;  // [groups][K][kMaxRows]
   float* y = nullptr;
   int64_t m = 0, k = 0, n = 0, chunks = 0, groups = 0, row_blocks = 0;
@@ -290,9 +293,13 @@ struct BigJob {
   void Task(int64_t task) const {
     const int64_t u = (task / row_blocks) * 64, rb = task % row_blocks;
     const int64_t g0 = rb * kRowBlockGroups, g1 = g0 + kRowBlockGroups < groups ? g0 + kRowBlockGroups : groups;
-    thread_local std::vector<W> panel;
+    using P = std::conditional_t<std::is_same_v<W, int8_t>, float, W>;
+    thread_local std::vector<P> panel;
     panel.resize(k * 64);
-    for (int64_t r = 0; r < k; ++r) std::memcpy(panel.data() + r * 64, w + r * n + u, 64 * sizeof(W));
+    if constexpr (std::is_same_v<W, int8_t>)
+      DequantUnit(w + u, sc + u, of + u, 0, k, n, panel.data());
+    else
+      for (int64_t r = 0; r < k; ++r) std::memcpy(panel.data() + r * 64, w + r * n + u, 64 * sizeof(W));
     alignas(64) float tmp[kMaxRows * 64];
     for (int64_t g = g0; g < g1; ++g) {
       const int tm = static_cast<int>(m - g * kMaxRows < kMaxRows ? m - g * kMaxRows : kMaxRows);
@@ -313,6 +320,13 @@ struct BigJob {
   }
 };
 
+// x[M, K] transposed per group of gr rows into buf: [groups][K][gr], zero-padded
+inline void TransposeGroups(const float* xp, int64_t m, int64_t k, int64_t gr, std::vector<float>& buf) {
+  buf.assign(((m + gr - 1) / gr) * k * gr, 0.f);
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t i = 0; i < k; ++i) buf[((t / gr) * k + i) * gr + t % gr] = xp[t * k + i];
+}
+
 // The streaming path (M <= kMaxSmallRows rows): y[M, N] = x[M, K] @ w[K, N].
 template <class W>
 void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t chunks, int64_t col_blocks, const float* xp,
@@ -327,9 +341,7 @@ void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t chunks, int64_t 
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
   // a claimed task, and the caller waits for every task to finish.
-  xt_buf.assign(groups * k * gr, 0.f);
-  for (int64_t t = 0; t < m; ++t)
-    for (int64_t i = 0; i < k; ++i) xt_buf[((t / gr) * k + i) * gr + t % gr] = xp[t * k + i];
+  TransposeGroups(xp, m, k, gr, xt_buf);
 
   // Work is split into tasks that threads claim as they come (a late-starting helper then
   // costs little): wide matrices by column blocks of one row range per thread, narrow ones
@@ -385,33 +397,24 @@ ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* 
 
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  if (m > kMaxSmallRows) {
-    if constexpr (std::is_same_v<W, int8_t>) {
-      // GGUF blocks: the streaming path per kMaxSmallRows rows (a row's sums do not depend on
-      // M); rebuilding the weights costs little beside 64 rows of FMAs
-      for (int64_t r = 0; r < m; r += kMaxSmallRows)
-        StreamRows<W>(pool, threads, chunks, col_blocks, xp + r * k, m - r < kMaxSmallRows ? m - r : kMaxSmallRows,
-                      wp, sc, of, k, n, yp + r * n);
-      return ffi::Error::Success();
-    } else {
-      thread_local std::vector<float> xt_buf;
-      const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-      xt_buf.assign(groups * k * kMaxRows, 0.f);
-      for (int64_t t = 0; t < m; ++t)
-        for (int64_t i = 0; i < k; ++i) xt_buf[((t / kMaxRows) * k + i) * kMaxRows + t % kMaxRows] = xp[t * k + i];
-      BigJob<W> job;
-      job.w = wp;
-      job.xt = xt_buf.data();
-      job.y = yp;
-      job.m = m;
-      job.k = k;
-      job.n = n;
-      job.chunks = chunks;
-      job.groups = groups;
-      job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
-      RunTasks(pool, (n / 64) * job.row_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
-      return ffi::Error::Success();
-    }
+  if (m > kMaxSmallRows) {  // GGUF blocks too: each task rebuilds its panel once
+    thread_local std::vector<float> xt_buf;
+    const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+    TransposeGroups(xp, m, k, kMaxRows, xt_buf);
+    BigJob<W> job;
+    job.w = wp;
+    job.sc = sc;
+    job.of = of;
+    job.xt = xt_buf.data();
+    job.y = yp;
+    job.m = m;
+    job.k = k;
+    job.n = n;
+    job.chunks = chunks;
+    job.groups = groups;
+    job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
+    RunTasks(pool, (n / 64) * job.row_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
+    return ffi::Error::Success();
   }
   StreamRows<W>(pool, threads, chunks, col_blocks, xp, m, wp, sc, of, k, n, yp);
   return ffi::Error::Success();
