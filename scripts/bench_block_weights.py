@@ -2,6 +2,7 @@
 benchmark, not a test).
 
     python scripts/bench_block_weights.py [--ms 1,2,4,8,16] [--rounds 9] [--gguf PATH]
+        [--generate 1,4,16] [--new-tokens 48]
 
 The library used to dequantize every GGUF tensor to float32 and stream 4 bytes per weight
 per step. SmolLM2-135M's GGUF stores its layers as Q4_1 and its embedding (the tied LM
@@ -16,7 +17,10 @@ down, then the 576 x 49,152 LM head; the file's real weights) for M rows, in one
 call, through the float32 kernel and the block kernel, timed alternately round by round in
 one process (a shared machine's slow spells hit both alike). Prints, per M, each one's
 median ms and GB/s of weights read, and checks that the two give the same bits for every
-matmul.
+matmul. ``--generate B,...``: then whole autoregressive generations of the default model
+(``--new-tokens`` tokens of the benchmark prompts at each batch size, prefill included;
+the best of 3 after a warm-up), float32 and block weights loaded side by side, with their
+tokens compared.
 """
 from __future__ import annotations
 
@@ -86,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--gguf", default=None, help="a Q8_0 / Q4_0 / Q4_1 Llama GGUF (default: SmolLM2-135M's)")
+    ap.add_argument("--generate", default="", help="batch sizes for whole generations (e.g. 1,4,16)")
+    ap.add_argument("--new-tokens", type=int, default=48)
     args = ap.parse_args(argv)
     ms = [int(m) for m in args.ms.split(",")]
     if not ms or min(ms) < 1:
@@ -126,6 +132,36 @@ def main(argv=None):
               f"{np.median(ratio):.2f} | {'same' if same else 'DIFFERENT'} |", flush=True)
         if not same:
             raise SystemExit("bench_block_weights: the block kernel's bits differ from the float32 kernel's")
+    if args.generate:
+        generations([int(b) for b in args.generate.split(",")], args.new_tokens, args.gguf)
+
+
+def generations(batches, new_tokens, path=None):
+    """Autoregressive generations with float32 and with block weights, timed in turn."""
+    from scripts.bench.config import read_prompts
+    from specjax.build import load_target, make_autoregressive_engine
+
+    spec = path or "default"
+    texts = read_prompts("configs/bench/prompts.txt")
+    engines, tok = {}, None
+    for blocks in (False, True):
+        target, t, _ = load_target(spec, weight_blocks=blocks)
+        tok = tok or t
+        engines[blocks] = make_autoregressive_engine(target)
+    print("| batch | float32 s | blocks s | float32 / blocks | same tokens |")
+    print("|---|---|---|---|---|")
+    for b in batches:
+        ids = [tok.encode_user(texts[i % len(texts)]) for i in range(b)]
+        times, toks = {False: [], True: []}, {}
+        for blocks, e in engines.items():
+            toks[blocks] = np.asarray(e.generate(ids, seed=0, max_new_tokens=new_tokens).tokens)
+        for _ in range(3):
+            for blocks, e in engines.items():
+                t0 = time.perf_counter()
+                e.generate(ids, seed=0, max_new_tokens=new_tokens)
+                times[blocks].append(time.perf_counter() - t0)
+        f, q = min(times[False]), min(times[True])
+        print(f"| {b} | {f:.3f} | {q:.3f} | {f / q:.2f} | {np.array_equal(toks[False], toks[True])} |", flush=True)
 
 
 if __name__ == "__main__":
