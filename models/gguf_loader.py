@@ -254,7 +254,9 @@ def blocks_eligible(reader, tie_embeddings: bool) -> bool:
 
 def _resolve_blocks(reader, cfg: dict) -> bool:
     """``weight_blocks="auto"``: on where the file is eligible, the model float32 and the CPU
-    kernels apply (one CPU device, kernels not "xla", and built)."""
+    kernels apply (one CPU device, kernels not "xla", a C++ compiler to build them). Nothing
+    is built here (the CLI reads the config before it checks its arguments); should the build
+    fail later, the model rebuilds the weights with XLA's ops instead (the same values)."""
     if cfg.get("dtype", "float32") != "float32" or cfg.get("param_dtype", "float32") != "float32":
         return False
     if cfg.get("cpu_kernels", "auto") == "xla" or any(cfg[f] % 32 for f in ("dim", "head_dim", "ffn_dim")):
@@ -263,9 +265,9 @@ def _resolve_blocks(reader, cfg: dict) -> bool:
         return False
     import jax
 
-    from specjax.models.cpu_kernels import available
+    from specjax.models.cpu_kernels import compiler
 
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()[0]
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and compiler() is not None
 
 
 def gguf_weights(reader, cfg: LlamaConfig) -> dict:
