@@ -254,7 +254,8 @@ def blocks_eligible(reader, tie_embeddings: bool) -> bool:
 
 def _resolve_blocks(reader, cfg: dict) -> bool:
     """``weight_blocks="auto"``: on where the file is eligible, the model float32 and the CPU
-    kernels apply (one CPU device, kernels not "xla", a C++ compiler to build them). Nothing
+    kernels apply (one CPU device, kernels not "xla", a C++ compiler to build them) on a CPU
+    with AVX-512 (where it was measured; ``weight_blocks=True`` runs anywhere). Nothing
     is built here (the CLI reads the config before it checks its arguments); should the build
     fail later, the model rebuilds the weights with XLA's ops instead (the same values)."""
     if cfg.get("dtype", "float32") != "float32" or cfg.get("param_dtype", "float32") != "float32":
@@ -265,9 +266,10 @@ def _resolve_blocks(reader, cfg: dict) -> bool:
         return False
     import jax
 
-    from specjax.models.cpu_kernels import compiler
+    from specjax.models.cpu_kernels import compiler, has_avx512
 
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and compiler() is not None
+    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and compiler() is not None
+            and has_avx512())
 
 
 def gguf_weights(reader, cfg: LlamaConfig) -> dict:
