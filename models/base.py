@@ -142,6 +142,7 @@ class LanguageModel(Protocol):
 
     # optional: ``supports_tree = True`` and ``apply(..., tree=TreeAttention)`` (see above)
     # optional: ``compute_id() -> str``, see :func:`compute_id`
+    # optional: ``embedding_weights() -> dict``, see :func:`embedding_weights`
 
 
 def compute_id(model) -> str:
@@ -149,6 +150,14 @@ def compute_id(model) -> str:
     build of the project's CPU kernels): the model's optional ``compute_id()``, else ""."""
     f = getattr(model, "compute_id", None)
     return f() if callable(f) else ""
+
+
+def embedding_weights(model) -> dict:
+    """A model's float32 canonical ``embed`` (and ``lm_head`` when untied), [V, D], for a draft
+    built on it: the model's optional ``embedding_weights()`` (which skips the layers: a
+    GGUF block model would rebuild them all), else its ``canonical_weights()``."""
+    f = getattr(model, "embedding_weights", None)
+    return f() if callable(f) else model.canonical_weights()
 
 
 PREFILL_CHUNK = 512  # prompt tokens per forward in :func:`prefill` (a power of two)

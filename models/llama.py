@@ -638,10 +638,10 @@ def _dense(w) -> Any:
     return w.dequantize() if isinstance(w, BlockWeights) else w
 
 
-# the block-coded matrices of a layer (internal names) and, in the fused [in, out] layout,
-# the axes (after the layer axis, if any) that hold the input dimension: blocks of 32 run
-# along the last of them
-_BLOCK_INPUT_AXES = {"wqkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
+# a layer's weight matrices: canonical names, and the fused ones (internal layout) that hold
+# them, which keep GGUF blocks with ``name + "_scale"`` / ``"_offset"`` beside them
+MATRIX_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_FUSED_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def _fuse_block_params(cfg: LlamaConfig, w: Mapping[str, Any], lead: tuple) -> dict:
@@ -666,7 +666,7 @@ def fuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     """:func:`fuse_layer` for a layer whose matrices are :class:`BlockWeights`: the fused
     codes under each matrix's name and its scales / offsets under ``name + "_scale"`` /
     ``"_offset"``, in the fused layout with the input axis 32 times shorter."""
-    mats = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    mats = MATRIX_KEYS
     missing = [k for k in mats if not isinstance(w[k], BlockWeights)]
     if missing:
         raise ValueError(f"weight_blocks: {missing} are not BlockWeights")
@@ -701,7 +701,7 @@ def unfuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
             "w_down": c(np.swapaxes(w[f"w_down_{part}"], -1, -2)),
         }
     out = dict(codes)
-    for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+    for k in MATRIX_KEYS:
         out[k] = BlockWeights(codes[k], parts["scale"][k], parts["offset"][k])
     return out
 
@@ -884,10 +884,10 @@ class Block(nnx.Module):
         pd = cfg.weight_dtype
         lead = ("layers",) if stacked else ()
         for k, names in layer_param_names(cfg).items():
-            setattr(self, k, _param(jnp.asarray(w[k], jnp.int8 if cfg.weight_blocks and k in _BLOCK_INPUT_AXES else pd),
+            setattr(self, k, _param(jnp.asarray(w[k], jnp.int8 if cfg.weight_blocks and k in _FUSED_MATRICES else pd),
                                     lead + names))
         if cfg.weight_blocks:  # the blocks' scales and offsets: the weight's axes, input 32x shorter
-            for k in _BLOCK_INPUT_AXES:
+            for k in _FUSED_MATRICES:
                 for part in ("scale", "offset"):
                     setattr(self, f"{k}_{part}", _param(jnp.asarray(w[f"{k}_{part}"], jnp.float32),
                                                         lead + _LAYER_NAMES[k]))
@@ -1048,39 +1048,33 @@ class Llama(nnx.Module):
         cfg = self.cfg
         names = list(layer_param_names(cfg))
         if cfg.weight_blocks:
-            names += [f"{k}_{p}" for k in _BLOCK_INPUT_AXES for p in ("scale", "offset")]
+            names += [f"{k}_{p}" for k in _FUSED_MATRICES for p in ("scale", "offset")]
         if cfg.scan_layers:
             fused = {k: getattr(self.layers, k)[...] for k in names}
         else:
             fused = {k: jnp.stack([getattr(b, k)[...] for b in self.layers]) for k in names}
         out = unfuse_blocks(cfg, fused) if cfg.weight_blocks else unfuse_layer(cfg, fused)
+        out.update(self._embeddings(), final_norm=_np(self.final_norm[...]))
+        if not blocks:
+            out = {k: _dense(v) for k, v in out.items()}
+        return out
+
+    def _embeddings(self) -> dict:
+        """Canonical ``embed`` (and ``lm_head`` when untied), [V, D]: numpy, or BlockWeights."""
+        out = {}
         for name in ("embed", "lm_head"):
             if not hasattr(self, name):
                 continue
-            if hasattr(self, f"{name}_scale"):
-                out[name] = BlockWeights(*(np.ascontiguousarray(_np(getattr(self, n)[...]).T)
-                                           for n in (name, f"{name}_scale", f"{name}_offset")))
-            else:
-                out[name] = np.ascontiguousarray(_np(getattr(self, name)[...]).T)
-        out["final_norm"] = _np(self.final_norm[...])
-        if not blocks:
-            out = {k: _dense(v) for k, v in out.items()}
+            parts = (name, f"{name}_scale", f"{name}_offset") if hasattr(self, f"{name}_scale") else (name,)
+            arrays = [np.ascontiguousarray(_np(getattr(self, n)[...]).T) for n in parts]
+            out[name] = BlockWeights(*arrays) if len(arrays) == 3 else arrays[0]
         return out
 
     def embedding_weights(self) -> dict:
         """``{"embed": [V, D]}`` (and ``"lm_head"`` when untied) as float32 numpy arrays: the
         part of :meth:`canonical_weights` a draft built on the target needs, without
         rebuilding the layers' blocks."""
-        out = {}
-        for name in ("embed", "lm_head"):
-            if hasattr(self, name):
-                if hasattr(self, f"{name}_scale"):
-                    w = BlockWeights(*(np.ascontiguousarray(_np(getattr(self, n)[...]).T)
-                                       for n in (name, f"{name}_scale", f"{name}_offset")))
-                    out[name] = w.dequantize()
-                else:
-                    out[name] = np.ascontiguousarray(_np(getattr(self, name)[...]).T)
-        return out
+        return {k: _dense(v) for k, v in self._embeddings().items()}
 
     def _head_weights(self):
         """(code or float weights [D, V], scale, offset or None) of the LM head."""

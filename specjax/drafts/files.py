@@ -158,6 +158,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
     same values; the CPU matmul kernel reads them as they are, streaming half the bytes, and
     computes in float32), otherwise the file's config; or a dtype name. A draft's numerics
     change only its q, which the verifier uses as it is: the output law stays the target's."""
+    from specjax.models.base import embedding_weights
     from specjax.models.eagle import EagleConfig, EagleModel, trainable_shapes
     from specjax.models.llama import LlamaConfig, LlamaLM
 
@@ -188,7 +189,7 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
             raise ValueError(f"draft vocabulary V={cfg.vocab_size} does not match the target's "
                              f"V={target.vocab_size}")
         if meta.get("info", {}).get("embed_from_target") or "embed" not in w:
-            tw = target.embedding_weights() if hasattr(target, "embedding_weights") else target.canonical_weights()
+            tw = embedding_weights(target)
             w["embed"] = tw["embed"]
             if not cfg.tie_embeddings and "lm_head" not in w:
                 w["lm_head"] = tw.get("lm_head", tw["embed"])
