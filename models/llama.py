@@ -1278,8 +1278,16 @@ class LlamaLM:
 
     def with_config(self, **changes) -> "LlamaLM":
         """Same weights, new config (e.g. ``scan_layers=True``, ``dtype='bfloat16'``;
-        ``weight_blocks=False``: the GGUF blocks rebuilt in float32, the same values)."""
-        return LlamaLM.from_weights(self.config.replace(**changes), self.canonical_weights(blocks=True))
+        ``weight_blocks=False``: the GGUF blocks rebuilt in float32, the same values; so too
+        when the change leaves no room for blocks, e.g. ``dtype='bfloat16'``)."""
+        cfg = self.config
+        try:
+            new = cfg.replace(**changes)
+        except ValueError:
+            if not cfg.weight_blocks or "weight_blocks" in changes:
+                raise
+            new = cfg.replace(**changes, weight_blocks=False)
+        return LlamaLM.from_weights(new, self.canonical_weights(blocks=True))
 
     def module(self, params=None) -> Llama:
         return nnx.merge(self.graphdef, self.params if params is None else params)

@@ -143,6 +143,12 @@ def test_blocks_round_trip_and_switch_off():
     off = blocks.with_config(weight_blocks=False)
     assert not off.config.weight_blocks and all(np.asarray(v).dtype == np.float32 for v in jax.tree.leaves(off.params))
     np.testing.assert_array_equal(_bits(_logits(off, toks)), _bits(_logits(dense, toks)))
+    # a change that leaves no room for blocks rebuilds them in float32 first, as with float weights
+    bf, dbf = (m.with_config(dtype="bfloat16", param_dtype="bfloat16") for m in (blocks, dense))
+    assert not bf.config.weight_blocks
+    np.testing.assert_array_equal(_logits(bf, toks), _logits(dbf, toks))
+    with pytest.raises(ValueError, match="weight_blocks"):
+        blocks.with_config(dtype="bfloat16", param_dtype="bfloat16", weight_blocks=True)
 
 
 def test_block_config_errors():
