@@ -57,6 +57,19 @@ def test_kernel_gives_the_float32_kernels_bits(kind, m):
     np.testing.assert_array_equal(_bits(jax.jit(ck.dequantize_blocks)(code, d, o)), _bits(w))
 
 
+@pytest.mark.parametrize("k, n", [(1536, 576), (96, 4160), (64, 64)])
+def test_kernel_bits_across_tiles_and_ranges(k, n):
+    """Row ranges that end inside a 64-row tile and blocks that straddle tiles (K = 1536 split
+    between threads, K = 96 less than two tiles), several column blocks (N = 4160)."""
+    rng = np.random.default_rng(k + n)
+    code, d, o = _random_blocks(rng, (k, n), "q4_1")
+    w = _dense(code, d, o)
+    for m in (1, 2, 4, 8, 16):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        np.testing.assert_array_equal(_bits(jax.jit(ck.block_matmul)(x, code, d, o)),
+                                      _bits(jax.jit(ck.small_matmul)(x, w)))
+
+
 def test_kernel_pads_columns_and_reads_stacked_layers_in_place():
     rng = np.random.default_rng(7)
     x = rng.standard_normal((5, 64)).astype(np.float32)
