@@ -59,14 +59,15 @@ constexpr int64_t kTileRows = 8;       // weight rows per tile (one register gro
 constexpr int64_t kTileRowsMany = 64;
 constexpr int64_t kColBlock = 4096;    // columns per partial block (measured: 2048 and 16384 slower)
 constexpr int64_t kPrefetchRows = 12;  // prefetch distance in weight rows (8-16 measured alike)
-// GGUF blocks (one byte per weight, and rebuilding a weight costs ~3 vector ops, so from ~3
-// rows on the FMAs, not the bytes, bound the step): 64-row tiles in one register group too,
-// so the accumulators are loaded and stored 8x less often, and the codes prefetched
+// GGUF blocks, one register group of 3..9 rows (one byte per weight, and rebuilding a weight
+// costs ~3 vector ops, so the vector ops, not the bytes, bound the pass): 64-row tiles, so
+// the accumulators are loaded and stored 8x less often, with the codes prefetched
 // kPrefetchBytesBlocks ahead in the same row (two lines: the next units of this tile), since
-// rows ahead now lie in the same unit and arrive too late. Measured (all matmuls of a
-// SmolLM2-135M step, one process alternating builds, same bits): 4 / 8 / 9 / 16 rows
-// 0.82 / 0.75 / 0.71 / 0.82x the time of 8-row tiles with row-ahead prefetch; 1-2 rows
-// alike. One line ahead (64 bytes) measured ~1.5x slower at 1-2 rows and at 10+ rows.
+// rows ahead now lie in the same unit and arrive too late (one line ahead measured ~1.5x
+// slower). Measured (scripts/bench_matmul_builds.py --blocks: all matmuls of a SmolLM2-135M
+// step, one process alternating builds, same bits): 4 / 8 rows 0.81 / 0.80-0.82x the time of
+// 8-row tiles with row-ahead prefetch. 1-2 rows (memory-bound) keep those: 64-row tiles
+// measured 1.02-1.07x there.
 constexpr int64_t kTileRowsBlocks = 64;
 constexpr int64_t kPrefetchBytesBlocks = 128;
 constexpr int64_t kMaxChunks = 8;
@@ -182,7 +183,10 @@ inline void MicroBlock(const float* __restrict xt, int64_t xs, const int8_t* __r
       }
     }
     const int8_t* wr = w + r * n;
-    __builtin_prefetch(wr + kPrefetchBytesBlocks, 0, 1);  // this row, units ahead (see kTileRowsBlocks)
+    if constexpr (TM <= 2)  // 1-2 rows: 8-row tiles, the rows ahead (see kTileRowsBlocks)
+      __builtin_prefetch(wr + kPrefetchRows * n, 0, 1);
+    else
+      __builtin_prefetch(wr + kPrefetchBytesBlocks, 0, 1);  // this row, units ahead
     v16 wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = Dequant(wr + 16 * j, s[j], o[j]);
     for (int t = 0; t < TM; ++t) {
@@ -218,7 +222,7 @@ inline void DequantUnit(const int8_t* __restrict w, const float* __restrict sc, 
       }
     }
     const int8_t* wr = w + r * n;
-    __builtin_prefetch(wr + kPrefetchBytesBlocks, 0, 1);  // the same row, two units ahead
+    __builtin_prefetch(wr + 64, 0, 1);  // the same row of the next unit
     for (int j = 0; j < 4; ++j) store16(out + r * 64 + 16 * j, Dequant(wr + 16 * j, s[j], o[j]));
   }
 }
@@ -243,7 +247,7 @@ struct Job {
     float* p = out[c];
     const bool narrow = gr == kMaxRowsNarrow;
     const int64_t groups = (m + gr - 1) / gr, unit = narrow ? 32 : 64;
-    const int64_t tile = groups > 1 ? kTileRowsMany : std::is_same_v<W, int8_t> ? kTileRowsBlocks : kTileRows;
+    const int64_t tile = groups > 1 ? kTileRowsMany : std::is_same_v<W, int8_t> && m > 2 ? kTileRowsBlocks : kTileRows;
     alignas(64) float unit_buf[std::is_same_v<W, int8_t> ? kTileRowsMany * 64 : 1];  // GGUF blocks: a rebuilt unit
     for (int64_t r0 = k0; r0 < k1; r0 += tile) {
       const int64_t rows = k1 - r0 < tile ? k1 - r0 : tile;
