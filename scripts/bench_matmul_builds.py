@@ -1,20 +1,26 @@
 """Compare builds of the matmul kernel in one process (a benchmark, not a test).
 
-    python scripts/bench_matmul_builds.py --rev HEAD~1 [--rev HEAD] [--ms 1,7,10,12,16,17,32] [--rounds 9]
+    python scripts/bench_matmul_builds.py --rev HEAD~1 [--rev HEAD] [--ms 1,7,10,12,16,17,32] [--rounds 9] [--blocks]
 
 Each ``--rev`` is a git revision of ``models/kernels/small_matmul.cc`` (``.`` for the working
-tree; the default compares HEAD with the working tree). Every source is built with the
+tree, or the path of a ``.cc`` file: a variant; the default compares HEAD with the working
+tree). Every source is built with the
 project's flags (``cpu_kernels.CXX_FLAGS``, the ``common.h`` of the working tree) into a
 temporary folder and registered as its own FFI target, so all builds run in the same
 process and are timed alternately, round by round: a shared machine's slow spells then
 hit every build alike (timing them in separate processes on 2 shared cores moved the
 numbers by up to 30%).
 
-The workload: the matmuls of one float32 SmolLM2-135M step (30 layers of q, k, v, o, gate,
-up, down with their shapes, then the 576 x 49,152 LM head; random weights, distinct per
-layer, so they stream from memory as in a real step) for M rows, in one jitted call.
+The workload: the matmuls of one float32 SmolLM2-135M step as the model runs them (30
+layers of fused qkv, o, fused gate-up and down with their shapes, then the 576 x 49,152 LM
+head; random weights, distinct per layer, so they stream from memory as in a real step) for
+M rows, in one jitted call. (Until 2026-12-05 the script timed q, k, v, gate and up apart:
+``--unfused``.)
 Prints, per M, each build's median ms and its median ratio to the first build's time in
-the same round, and checks that every build gives the first one's bits.
+the same round, and checks that every build gives the first one's bits. ``--blocks``: the
+same matmuls from GGUF blocks (``SpecjaxBlockMatmul``: random Q4_1-like codes 0..15 with
+float16-valued scales and offsets per 32 inputs, as the loader keeps the default model's
+layers), the block kernel's builds compared instead.
 """
 from __future__ import annotations
 
@@ -36,21 +42,24 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "models/kernels/small_matmul.cc"
 # SmolLM2-135M's layer matrices ([in, out]) and its tied LM head
-LAYER_SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))
+LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # wqkv, wo, w_gate_up, w_down
+UNFUSED_SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))
 HEAD_SHAPE = (576, 49152)
 
 
 def source_at(rev: str) -> str:
     if rev == ".":
         return (ROOT / SOURCE).read_text()
+    if rev.endswith(".cc") and os.path.isfile(rev):  # a variant kept outside the repository
+        return Path(rev).read_text()
     r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{SOURCE}"], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench_matmul_builds: no {SOURCE} at {rev!r}: {r.stderr.strip()}")
     return r.stdout
 
 
-def build(rev: str, i: int, out: Path) -> str:
-    """Build the kernel at ``rev`` and register its handler as target ``bench_mm_<i>``."""
+def build(rev: str, i: int, out: Path, handler: str = "SpecjaxSmallMatmul") -> str:
+    """Build the kernel at ``rev`` and register its ``handler`` as target ``bench_mm_<i>``."""
     from specjax.models import cpu_kernels as ck
 
     cxx = ck.compiler()
@@ -66,7 +75,9 @@ def build(rev: str, i: int, out: Path) -> str:
         raise SystemExit(f"bench_matmul_builds: building {rev} failed:\n{r.stderr[-3000:]}")
     name = f"bench_mm_{i}"
     handle = ctypes.cdll.LoadLibrary(str(lib))
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handle.SpecjaxSmallMatmul), platform="cpu")
+    if not hasattr(handle, handler):
+        raise SystemExit(f"bench_matmul_builds: the kernel at {rev} has no {handler}")
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, handler)), platform="cpu")
     return name
 
 
@@ -76,10 +87,11 @@ def step_matmuls(target: str, m: int):
     @jax.jit
     def f(x, ws):
         outs = []
-        for w in ws:
-            k, n = w.shape
+        for w in ws:  # a float32 matrix, or GGUF blocks (code, scale, offset)
+            k, n = (w[0] if isinstance(w, tuple) else w).shape
             xi = x if k == x.shape[1] else jnp.tile(x, (1, k // x.shape[1] + 1))[:, :k]
-            y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(xi, w)
+            args = w if isinstance(w, tuple) else (w,)
+            y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(xi, *args)
             outs.append(y[:, :8])
         return jnp.concatenate(outs, axis=1)
 
@@ -91,6 +103,8 @@ def main(argv=None):
     ap.add_argument("--rev", action="append", help="git revision of the kernel source, or '.' (repeatable)")
     ap.add_argument("--ms", default="1,7,10,12,16,17,32", help="row counts M")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--blocks", action="store_true", help="the GGUF block kernel (Q4_1-like blocks)")
+    ap.add_argument("--unfused", action="store_true", help="q, k, v, gate, up as separate matmuls")
     args = ap.parse_args(argv)
     revs = args.rev or ["HEAD", "."]
     ms = [int(v) for v in args.ms.split(",")]
@@ -98,10 +112,20 @@ def main(argv=None):
         raise SystemExit("bench_matmul_builds: the kernels are for the CPU backend")
 
     rng = np.random.default_rng(0)
-    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02) for _ in range(30) for s in LAYER_SHAPES]
-    ws.append(jnp.asarray(rng.standard_normal(HEAD_SHAPE, dtype=np.float32) * 0.02))
+
+    def weights(shape):
+        if not args.blocks:
+            return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+        k, n = shape
+        code = rng.integers(0, 16, shape).astype(np.int8)
+        scale, offset = (rng.standard_normal((2, k // 32, n)) * 0.002).astype(np.float16).astype(np.float32)
+        return jnp.asarray(code), jnp.asarray(scale), jnp.asarray(offset)
+
+    ws = [weights(s) for _ in range(30) for s in (UNFUSED_SHAPES if args.unfused else LAYER_SHAPES)]
+    ws.append(weights(HEAD_SHAPE))
+    handler = "SpecjaxBlockMatmul" if args.blocks else "SpecjaxSmallMatmul"
     with tempfile.TemporaryDirectory(prefix="specjax-mm-builds-") as tmp:
-        targets = [build(rev, i, Path(tmp)) for i, rev in enumerate(revs)]
+        targets = [build(rev, i, Path(tmp), handler) for i, rev in enumerate(revs)]
         print(f"builds: {', '.join(revs)} (ratios to {revs[0]}, same round)", flush=True)
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32))
