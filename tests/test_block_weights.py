@@ -43,7 +43,7 @@ def _dense(code, d, m):
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
-@pytest.mark.parametrize("m", [1, 3, 6, 8, 9, 12, 64, 65, 130])
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 9, 12, 23, 24, 64, 65, 130])
 def test_kernel_gives_the_float32_kernels_bits(kind, m):
     rng = np.random.default_rng(m)
     k, n = 576, 960

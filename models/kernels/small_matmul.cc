@@ -29,7 +29,7 @@
 // bits is exact in float32, so the fma rounds once, as gguf's own dequantization does: the
 // weights, and with the same summation order y, have the float32 path's bits, from 1.25
 // bytes per weight instead of 4. Several register groups rebuild a 64 x 64 unit once into an
-// L1 buffer that all of them read; above kMaxSmallRows rows BigJob rebuilds its panels.
+// L1 buffer that all of them read; above kMaxSmallRowsBlocks rows BigJob rebuilds its panels.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -208,9 +208,11 @@ inline void MicroBlockUpTo(int tm, const float* xt, int64_t xs, const int8_t* w,
 }
 
 // rows x 64 columns of GGUF blocks (code at w, row stride n; sc / of at the same column,
-// row0 the input row of the first row) rebuilt as float32 into out (row stride 64)
+// row0 the input row of the first row) rebuilt as float32 into out (row stride 64); each row
+// prefetches the codes pf bytes after it (Job: the same row of the next unit; BigJob's panel:
+// rows ahead in this unit)
 inline void DequantUnit(const int8_t* __restrict w, const float* __restrict sc, const float* __restrict of,
-                        int64_t row0, int64_t rows, int64_t n, float* __restrict out) {
+                        int64_t row0, int64_t rows, int64_t n, float* __restrict out, int64_t pf = 64) {
   v16 s[4], o[4];
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t ra = row0 + r;
@@ -222,7 +224,7 @@ inline void DequantUnit(const int8_t* __restrict w, const float* __restrict sc, 
       }
     }
     const int8_t* wr = w + r * n;
-    __builtin_prefetch(wr + 64, 0, 1);  // the same row of the next unit
+    __builtin_prefetch(wr + pf, 0, 1);
     for (int j = 0; j < 4; ++j) store16(out + r * 64 + 16 * j, Dequant(wr + 16 * j, s[j], o[j]));
   }
 }
@@ -294,6 +296,14 @@ struct Job {
 // SmolLM2-135M step, one process alternating builds: 17 / 32 / 48 / 64 rows 0.62 / 0.78 /
 // 0.87 / 0.95x the time of BigJob; 96 / 128 rows 1.04 / 1.10x).
 constexpr int64_t kMaxSmallRows = 64;
+// GGUF blocks: the panels from 24 rows on. A panel is rebuilt once per task with its rows
+// prefetched kPrefetchRowsPanel ahead, where Job rebuilds each 64 x 64 unit between the
+// groups' passes and loads and stores their partial sums per 64-row tile. Measured
+// (scripts/bench_matmul_builds.py --blocks, same bits): 24 / 32 / 48 / 64 rows 0.97 / 0.94 /
+// 0.90-0.94 / 0.92-0.94x the time of Job; 17-20 rows 1.05-1.09x (Job kept); the prefetch
+// changed nothing above 64 rows.
+constexpr int64_t kMaxSmallRowsBlocks = 23;
+constexpr int64_t kPrefetchRowsPanel = 16;
 constexpr int64_t kRowBlockGroups = 32;  // groups of kMaxRows rows per task
 
 template <class W>
@@ -312,7 +322,7 @@ struct BigJob {
     thread_local std::vector<P> panel;
     panel.resize(k * 64);
     if constexpr (std::is_same_v<W, int8_t>)
-      DequantUnit(w + u, sc + u, of + u, 0, k, n, panel.data());
+      DequantUnit(w + u, sc + u, of + u, 0, k, n, panel.data(), kPrefetchRowsPanel * n);
     else
       for (int64_t r = 0; r < k; ++r) std::memcpy(panel.data() + r * 64, w + r * n + u, 64 * sizeof(W));
     alignas(64) float tmp[kMaxRows * 64];
@@ -412,7 +422,7 @@ ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* 
 
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  if (m > kMaxSmallRows) {  // GGUF blocks too: each task rebuilds its panel once
+  if (m > (std::is_same_v<W, int8_t> ? kMaxSmallRowsBlocks : kMaxSmallRows)) {  // blocks: each task rebuilds its panel once
     thread_local std::vector<float> xt_buf;
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
     TransposeGroups(xp, m, k, kMaxRows, xt_buf);
