@@ -229,13 +229,21 @@ inline void DequantUnit(const int8_t* __restrict w, const float* __restrict sc, 
   }
 }
 
+// What both paths below (Job, BigJob) compute from: MatmulCore fills it once, each path sets
+// xt to x transposed for its own groups of rows.
+template <class W>
+struct Operands {
+  const W* w = nullptr;       // weights [K, N] (GGUF blocks, W = int8_t: the codes)
+  const float* sc = nullptr;  // GGUF blocks: scale and offset [K / kBlockRows, N]
+  const float* of = nullptr;
+  const float* xt = nullptr;  // [groups][K][rows per group], x transposed per group of rows
+  int64_t m = 0, k = 0, n = 0;
+  int64_t chunks = 0;         // K ranges, summed apart and added in order
+};
+
 template <class W>
 struct Job {
-  const W* w = nullptr;
-  const float* sc = nullptr;  // GGUF blocks (W = int8_t): scale and offset [K / kBlockRows, N]
-  const float* of = nullptr;
-  const float* xt = nullptr;  // [groups][K][gr], x transposed per group of gr rows
-  int64_t m = 0, k = 0, n = 0, chunks = 0;
+  Operands<W> op;
   int64_t gr = kMaxRows;     // rows per register group: kMaxRows (64-column units) or kMaxRowsNarrow (32)
   float* out[kMaxChunks] = {};  // per-chunk partial y [m, n]
 
@@ -243,6 +251,7 @@ struct Job {
 
   // rows [k0, k1) of chunk c times columns [c0, c1) of block j, into partial out[c]
   void Task(int64_t task) const {
+    const auto& [w, sc, of, xt, m, k, n, chunks] = op;
     const int64_t c = task % chunks, j = task / chunks;
     const int64_t k0 = k * c / chunks, k1 = k * (c + 1) / chunks;
     const int64_t c0 = j * kColBlock, c1 = c0 + kColBlock < n ? c0 + kColBlock : n;
@@ -308,14 +317,12 @@ constexpr int64_t kRowBlockGroups = 32;  // groups of kMaxRows rows per task
 
 template <class W>
 struct BigJob {
-  const W* w = nullptr;
-  const float* sc = nullptr;  // GGUF blocks (W = int8_t): the panel is rebuilt in float32
-  const float* of = nullptr;
-  const float* xt = nullptr;  // [groups][K][kMaxRows]
+  Operands<W> op;  // xt: groups of kMaxRows rows; GGUF blocks: the panel is rebuilt in float32
   float* y = nullptr;
-  int64_t m = 0, k = 0, n = 0, chunks = 0, groups = 0, row_blocks = 0;
+  int64_t groups = 0, row_blocks = 0;
 
   void Task(int64_t task) const {
+    const auto& [w, sc, of, xt, m, k, n, chunks] = op;
     const int64_t u = (task / row_blocks) * 64, rb = task % row_blocks;
     const int64_t g0 = rb * kRowBlockGroups, g1 = g0 + kRowBlockGroups < groups ? g0 + kRowBlockGroups : groups;
     using P = std::conditional_t<std::is_same_v<W, int8_t>, float, W>;
@@ -354,8 +361,9 @@ inline void TransposeGroups(const float* xp, int64_t m, int64_t k, int64_t gr, s
 
 // The streaming path (M <= kMaxSmallRows rows): y[M, N] = x[M, K] @ w[K, N].
 template <class W>
-void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t chunks, int64_t col_blocks, const float* xp,
-                int64_t m, const W* wp, const float* sc, const float* of, int64_t k, int64_t n, float* yp) {
+void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t col_blocks, Operands<W> op, const float* xp,
+                float* yp) {
+  const int64_t m = op.m, k = op.k, n = op.n, chunks = op.chunks;
   thread_local std::vector<float> xt_buf, partial_buf;
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
@@ -373,14 +381,8 @@ void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t chunks, int64_t 
   // (one column block) by two row ranges per thread.
 
   Job<W> job;
-  job.w = wp;
-  job.sc = sc;
-  job.of = of;
-  job.xt = xt_buf.data();
-  job.m = m;
-  job.k = k;
-  job.n = n;
-  job.chunks = chunks;
+  job.op = op;
+  job.op.xt = xt_buf.data();
   job.col_blocks = col_blocks;
   job.gr = gr;
   const int64_t stride = (m * n + 15) / 16 * 16;
@@ -422,26 +424,21 @@ ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* 
 
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
+  const Operands<W> op{wp, sc, of, nullptr, m, k, n, chunks};
   if (m > (std::is_same_v<W, int8_t> ? kMaxSmallRowsBlocks : kMaxSmallRows)) {  // blocks: each task rebuilds its panel once
     thread_local std::vector<float> xt_buf;
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
     TransposeGroups(xp, m, k, kMaxRows, xt_buf);
     BigJob<W> job;
-    job.w = wp;
-    job.sc = sc;
-    job.of = of;
-    job.xt = xt_buf.data();
+    job.op = op;
+    job.op.xt = xt_buf.data();
     job.y = yp;
-    job.m = m;
-    job.k = k;
-    job.n = n;
-    job.chunks = chunks;
     job.groups = groups;
     job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
     RunTasks(pool, (n / 64) * job.row_blocks, threads - 1, [&job](int64_t t) { job.Task(t); });
     return ffi::Error::Success();
   }
-  StreamRows<W>(pool, threads, chunks, col_blocks, xp, m, wp, sc, of, k, n, yp);
+  StreamRows<W>(pool, threads, col_blocks, op, xp, yp);
   return ffi::Error::Success();
 }
 
