@@ -370,7 +370,6 @@ void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t col_blocks, Oper
   // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on a 12-row narrow block
   // is compute-bound and slower (12 rows: 33 vs 30 ms), so groups of 6 again.
   const int64_t gr = m > kMaxRows && m <= kMaxRowsNarrow ? kMaxRowsNarrow : kMaxRows;
-  const int64_t groups = (m + gr - 1) / gr;
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
   // a claimed task, and the caller waits for every task to finish.
