@@ -359,11 +359,19 @@ inline void TransposeGroups(const float* xp, int64_t m, int64_t k, int64_t gr, s
     for (int64_t i = 0; i < k; ++i) buf[((t / gr) * k + i) * gr + t % gr] = xp[t * k + i];
 }
 
+// op with xt = x[M, K] transposed into buf for groups of gr rows
+template <class W>
+Operands<W> WithX(Operands<W> op, const float* xp, int64_t gr, std::vector<float>& buf) {
+  TransposeGroups(xp, op.m, op.k, gr, buf);
+  op.xt = buf.data();
+  return op;
+}
+
 // The streaming path (M <= kMaxSmallRows rows): y[M, N] = x[M, K] @ w[K, N].
 template <class W>
 void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t col_blocks, Operands<W> op, const float* xp,
                 float* yp) {
-  const int64_t m = op.m, k = op.k, n = op.n, chunks = op.chunks;
+  const int64_t m = op.m, n = op.n, chunks = op.chunks;
   thread_local std::vector<float> xt_buf, partial_buf;
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
@@ -373,15 +381,11 @@ void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t col_blocks, Oper
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
   // a claimed task, and the caller waits for every task to finish.
-  TransposeGroups(xp, m, k, gr, xt_buf);
-
   // Work is split into tasks that threads claim as they come (a late-starting helper then
   // costs little): wide matrices by column blocks of one row range per thread, narrow ones
   // (one column block) by two row ranges per thread.
-
   Job<W> job;
-  job.op = op;
-  job.op.xt = xt_buf.data();
+  job.op = WithX(op, xp, gr, xt_buf);
   job.col_blocks = col_blocks;
   job.gr = gr;
   const int64_t stride = (m * n + 15) / 16 * 16;
@@ -427,10 +431,8 @@ ffi::Error MatmulCore(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* 
   if (m > (std::is_same_v<W, int8_t> ? kMaxSmallRowsBlocks : kMaxSmallRows)) {  // blocks: each task rebuilds its panel once
     thread_local std::vector<float> xt_buf;
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-    TransposeGroups(xp, m, k, kMaxRows, xt_buf);
     BigJob<W> job;
-    job.op = op;
-    job.op.xt = xt_buf.data();
+    job.op = WithX(op, xp, kMaxRows, xt_buf);
     job.y = yp;
     job.groups = groups;
     job.row_blocks = (groups + kRowBlockGroups - 1) / kRowBlockGroups;
