@@ -101,6 +101,18 @@ def bucket(n: int, minimum: int = 16) -> int:
     return b
 
 
+def insert_width(n: int, width: int, chunk: int) -> int:
+    """The prompt buffer of a dataset run's one-row prefill (:meth:`generate_dataset`'s
+    inserts) for a prompt of ``n`` tokens in a dataset buffer of ``width``: ``n`` rounded up
+    to a quarter of its power-of-two :func:`bucket` (at least 16), so at most a quarter of
+    the bucket is padding and an octave has at most four widths (40 -> 48, 65 -> 96);
+    ``width`` itself where that exceeds the prefill ``chunk`` (a chunked prefill skips the
+    chunks past the prompt already) or ``width``."""
+    step = max(16, bucket(n) // 4)
+    w = -(-n // step) * step
+    return w if w <= min(width, chunk) else width
+
+
 def context_limit(model) -> Optional[int]:
     """The model's context length (positions it can attend over), or None if it sets none."""
     cfg = getattr(model, "config", None)
@@ -708,7 +720,9 @@ class _Sharded:
 
     def _dataset_executables(self, full: Batch, b: int, static_opts: dict):
         """The arguments of the first ``b`` rows and the compiled ``_start``, ``_advance``,
-        ``_finish`` and ``_insert`` programs of a dataset run (built once per shapes)."""
+        ``_finish`` and ``_insert`` programs of a dataset run (built once per shapes;
+        ``_insert`` once per :func:`insert_width` of the rows after the first ``b``, all
+        before the run starts: the 4th value calls the one for its arguments' width)."""
         if self.sharding is not None:
             raise ValueError("generate_dataset runs without a mesh (sharding) for now")
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
@@ -717,17 +731,29 @@ class _Sharded:
         self._measure_streamed(rows, static_opts)
         args, static = self._call_args(rows, **static_opts)
         start, advance, finish = self._stream_executables(args, static)
-        one = self._one_row_args(full, 0, static_opts)
         carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
-        sig = ("_insert", str(jax.tree.structure(carry)),
-               tuple((x.shape, x.dtype) for x in jax.tree.leaves(carry)),
-               tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in jax.tree.leaves(one)),
-               tuple(sorted(static.items())))
-        insert = self._compiled.get(sig)
-        if insert is None:
-            insert = self._compiled[sig] = jax.jit(
-                self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len")
-            ).lower(carry, one, np.int32(0), **static).compile()
+        head = ("_insert", str(jax.tree.structure(carry)),
+                tuple((x.shape, x.dtype) for x in jax.tree.leaves(carry)), tuple(sorted(static.items())))
+
+        def program(one):  # the compiled _insert for one-row arguments of these shapes
+            sig = head + (tuple((getattr(a, "shape", None), getattr(a, "dtype", None))
+                                for a in jax.tree.leaves(one)),)
+            got = self._compiled.get(sig)
+            if got is None:
+                got = self._compiled[sig] = jax.jit(
+                    self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len")
+                ).lower(carry, one, np.int32(0), **static).compile()
+            return got
+
+        def insert(c, one, slot):
+            return program(one)(c, one, slot)
+
+        widths = {}  # a row of each insert width the run prefills: all compiled before it starts
+        for i in range(b, full.size):
+            widths.setdefault(insert_width(int(full.prompt_lens[i]), full.prompts.shape[1],
+                                           self.prefill_chunk), i)
+        for i in widths.values():
+            program(self._one_row_args(full, i, static_opts))
         return args, (start, advance, finish, insert)
 
     def _tail_sizes(self, b: int, compact=True) -> list:
@@ -810,10 +836,15 @@ class _Sharded:
             self._compile_tail(full, b, carry, static_opts, tail)
 
     def _one_row_args(self, full: Batch, i: int, static_opts: dict) -> tuple:
-        """The arguments of ``_insert`` for dataset row ``i``. The prefill reads no costs:
-        an adaptive engine gets a placeholder table of the same shape, so that inserting
-        never measures costs at batch size 1."""
-        return self._call_args(_batch_rows(full, [i]), **self._no_costs(static_opts))[0]
+        """The arguments of ``_insert`` for dataset row ``i``: its prompt in a buffer of
+        :func:`insert_width` tokens (so that a 40-token prompt is prefilled as 48 tokens,
+        not at the dataset's bucket of 64; one ``_insert`` program per width). The prefill
+        reads no costs: an adaptive engine gets a placeholder table of the same shape, so
+        that inserting never measures costs at batch size 1."""
+        one = _batch_rows(full, [i])
+        w = insert_width(int(one.prompt_lens[0]), one.prompts.shape[1], self.prefill_chunk)
+        one = dataclasses.replace(one, prompts=one.prompts[:, :w])
+        return self._call_args(one, **self._no_costs(static_opts))[0]
 
     def _no_costs(self, static_opts: dict) -> dict:
         """``_call_args`` options for a program that reads no costs (a prefill, or one only

@@ -64,6 +64,44 @@ def test_rows_equal_one_row_runs(models, which):
     assert eng.trace_count == traces
 
 
+def test_insert_width():
+    # a quarter of the power-of-two bucket (at least 16); the dataset's width past the chunk
+    assert [engine.insert_width(n, 64, 512) for n in (1, 16, 17, 33, 40, 48, 49, 64)] == \
+        [16, 16, 32, 48, 48, 48, 64, 64]
+    assert [engine.insert_width(n, 1024, 512) for n in (65, 100, 130, 300, 512, 513)] == \
+        [96, 128, 192, 384, 512, 1024]
+    assert engine.insert_width(300, 1024, 256) == 1024 and engine.insert_width(40, 32, 512) == 32
+
+
+@pytest.mark.parametrize("which", ["speculative", "autoregressive"])
+def test_inserts_prefill_at_their_own_width(models, which):
+    """A dataset whose prompt bucket is 64 (one prompt of 60 tokens) and whose inserted
+    prompts have 20-47 tokens: they are prefilled in buffers of 32 and 48 tokens (two
+    programs, none of 64), and every row is still what it gets alone (a buffer of 64 for
+    those of 33-47 tokens)."""
+    target, draft = models
+    if which == "speculative":
+        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), "token")
+    else:
+        eng = engine.AutoregressiveEngine(target)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, V, n).tolist() for n in (60, 35, 40, 47, 20, 44, 38)]
+    kw = dict(seed=1, sampling_params=dict(temperature=1.0), stop_tokens=[0], max_new_tokens=12)
+    traced, insert = [], eng._insert_program
+    at = 2 if which == "speculative" else 1  # the prompts in _call_args' arguments
+
+    def recorded(carry, args_one, slot, **static):
+        traced.append(args_one[at].shape)
+        return insert(carry, args_one, slot, **static)
+
+    eng._insert_program = recorded
+    out = eng.generate_dataset(prompts, batch_size=2, **kw)
+    assert sorted(traced) == [(1, 32), (1, 48)], traced
+    for i, p in enumerate(prompts):
+        one = eng.generate([p], row_indices=[i], **kw)
+        assert one.tokens[0] == out.tokens[i], i
+
+
 def test_batch_of_one_and_larger_than_the_dataset(models):
     target, _ = models
     eng = engine.AutoregressiveEngine(target)
