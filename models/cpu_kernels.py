@@ -15,7 +15,9 @@ Weights may also stay in a GGUF file's blocks (:func:`block_matmul`: an int8 cod
 a float32 scale and offset per 32 input rows and column, 1.25 bytes per weight): the kernel
 rebuilds each weight in registers with one fma, which for Q8_0, Q4_0 and Q4_1 gives the
 float32 weight the loader would have made, bit for bit, and sums as for float32 weights, so
-the results are the float32 path's bits at about a third of the bytes streamed.
+the results are the float32 path's bits at about a third of the bytes streamed. Codes of
+0..15 (Q4_1) may be packed two per byte (:func:`pack_q4`, uint8 ``[..., K, N / 2]``; 0.75 bytes
+per weight), rebuilt to the same weights.
 
 Scanned layers keep their weights stacked ``[L, K, N]``; XLA would copy a layer's slice out
 of the stack before every call of an opaque matmul (a dynamic slice feeding a custom call is
@@ -87,6 +89,8 @@ TREE_ATTENTION_TARGET = "specjax_tree_attention"  # the same kernel with a draft
 RMS_NORM_TARGET = "specjax_rms_norm"
 BLOCK_TARGET = "specjax_block_matmul"  # GGUF blocks: int8 codes, scale and offset per 32 rows
 STACKED_BLOCK_TARGET = "specjax_block_matmul_stacked"
+BLOCK_Q4_TARGET = "specjax_block_matmul_q4"  # the same with Q4 codes packed two per byte (pack_q4)
+STACKED_BLOCK_Q4_TARGET = "specjax_block_matmul_q4_stacked"
 BLOCK_ROWS = 32  # input rows per scale / offset
 SOURCES = tuple(Path(__file__).resolve().parent / "kernels" / f
                 for f in ("small_matmul.cc", "attention.cc", "rms_norm.cc"))
@@ -210,6 +214,9 @@ def _build_and_register() -> tuple:
         jax.ffi.register_ffi_target(BLOCK_TARGET, jax.ffi.pycapsule(lib.SpecjaxBlockMatmul), platform="cpu")
         jax.ffi.register_ffi_target(STACKED_BLOCK_TARGET, jax.ffi.pycapsule(lib.SpecjaxBlockMatmulStacked),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(BLOCK_Q4_TARGET, jax.ffi.pycapsule(lib.SpecjaxBlockMatmulQ4), platform="cpu")
+        jax.ffi.register_ffi_target(STACKED_BLOCK_Q4_TARGET, jax.ffi.pycapsule(lib.SpecjaxBlockMatmulQ4Stacked),
+                                    platform="cpu")
         return True, "", lib
     except Exception as e:  # reported by available() / the "kernel" mode, warned once in "auto"
         return False, f"{type(e).__name__}: {e}", None
@@ -286,11 +293,50 @@ def use_small_matmul_stacked(mode: str, x: jax.Array, w: jax.Array) -> bool:
             and use_small_matmul(mode, x, jax.ShapeDtypeStruct(w.shape[1:], w.dtype)))
 
 
+PACK_GROUP = 32  # packed Q4 codes: columns per group (byte j: column j low, j + 16 high)
+
+
+def packable_q4(code) -> bool:
+    """Whether int8 codes ``[..., N]`` can be packed by :func:`pack_q4` (all in 0..15, N a
+    multiple of 32)."""
+    code = np.asarray(code)
+    return (code.dtype == np.int8 and code.ndim >= 1 and code.size > 0 and code.shape[-1] % PACK_GROUP == 0
+            and int(code.min()) >= 0 and int(code.max()) <= 15)
+
+
+def pack_q4(code) -> np.ndarray:
+    """int8 codes ``[..., N]`` of 0..15 (N a multiple of 32) as uint8 ``[..., N / 2]``: byte j
+    of each 32-column group holds column j in its low and column j + 16 in its high nibble,
+    so the kernel gets two weight vectors from one 16-byte load (numpy; see
+    :func:`unpack_q4`)."""
+    code = np.asarray(code)
+    if not packable_q4(code):
+        raise ValueError("pack_q4: expected int8 codes of 0..15 with the last axis a multiple of 32")
+    g = code.reshape(code.shape[:-1] + (-1, 2, PACK_GROUP // 2)).astype(np.uint8)
+    return np.ascontiguousarray(g[..., 0, :] | (g[..., 1, :] << 4)).reshape(code.shape[:-1] + (-1,))
+
+
+def unpack_q4(packed):
+    """The int8 codes ``[..., N]`` of :func:`pack_q4`'s uint8 ``[..., N / 2]`` (numpy in, numpy
+    out; else a jax array)."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    g = packed.reshape(packed.shape[:-1] + (-1, PACK_GROUP // 2))
+    both = xp.stack([g & 15, g >> 4], axis=-2)
+    return both.astype(xp.int8).reshape(packed.shape[:-1] + (-1,))
+
+
+def code_columns(code) -> int:
+    """N of block codes ``[..., K, N]`` (int8) or ``[..., K, N / 2]`` (packed Q4, uint8)."""
+    return code.shape[-1] * (2 if code.dtype == jnp.uint8 else 1)
+
+
 def dequantize_blocks(code, scale, offset) -> jax.Array:
-    """The float32 weights ``[..., K, N]`` of GGUF blocks (``code`` int8 ``[..., K, N]``,
-    ``scale`` and ``offset`` float32 ``[..., K / 32, N]``): ``code * scale + offset``, whose
-    product is exact for Q8_0 / Q4_0 / Q4_1 blocks, so XLA's result (fused or not) is
-    gguf's dequantized weight, bit for bit."""
+    """The float32 weights ``[..., K, N]`` of GGUF blocks (``code`` int8 ``[..., K, N]`` or
+    packed Q4 uint8 ``[..., K, N / 2]``, ``scale`` and ``offset`` float32 ``[..., K / 32, N]``):
+    ``code * scale + offset``, whose product is exact for Q8_0 / Q4_0 / Q4_1 blocks, so
+    XLA's result (fused or not) is gguf's dequantized weight, bit for bit."""
+    if code.dtype == jnp.uint8:
+        code = unpack_q4(code)
     s = jnp.repeat(scale, BLOCK_ROWS, axis=-2)
     o = jnp.repeat(offset, BLOCK_ROWS, axis=-2)
     return code.astype(jnp.float32) * s + o
@@ -299,14 +345,18 @@ def dequantize_blocks(code, scale, offset) -> jax.Array:
 @jax.custom_jvp
 def block_matmul(x: jax.Array, code: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
     """``x[M, K] @ W`` for GGUF block weights ``W = dequantize_blocks(code, scale, offset)``
-    (``code[K, N]`` int8, ``scale`` / ``offset`` ``[K / 32, N]`` float32) with the FFI kernel,
-    which rebuilds W in registers: the bits of :func:`small_matmul` with W in float32."""
+    (``code[K, N]`` int8 or packed Q4 ``[K, N / 2]`` uint8, ``scale`` / ``offset`` ``[K / 32, N]``
+    float32) with the FFI kernel, which rebuilds W in registers: the bits of
+    :func:`small_matmul` with W in float32."""
     _require()
-    n = code.shape[1]
-    pad = -n % COL_MULTIPLE
+    packed = code.dtype == jnp.uint8
+    n = code_columns(code)
+    pad = -n % COL_MULTIPLE  # packed: N is a multiple of 32, so pad is too
     if pad:
-        code, scale, offset = (jnp.pad(a, ((0, 0), (0, pad))) for a in (code, scale, offset))
-    y = jax.ffi.ffi_call(BLOCK_TARGET, jax.ShapeDtypeStruct((x.shape[0], n + pad), jnp.float32),
+        code = jnp.pad(code, ((0, 0), (0, pad // 2 if packed else pad)))
+        scale, offset = (jnp.pad(a, ((0, 0), (0, pad))) for a in (scale, offset))
+    y = jax.ffi.ffi_call(BLOCK_Q4_TARGET if packed else BLOCK_TARGET,
+                         jax.ShapeDtypeStruct((x.shape[0], n + pad), jnp.float32),
                          vmap_method="sequential")(x, code, scale, offset)
     return y[:, :n] if pad else y
 
@@ -314,17 +364,19 @@ def block_matmul(x: jax.Array, code: jax.Array, scale: jax.Array, offset: jax.Ar
 @block_matmul.defjvp
 def _block_matmul_jvp(primals, tangents):
     x, code, scale, offset = primals
-    dx = tangents[0]  # the weights are constants (int8 codes)
+    dx = tangents[0]  # the weights are constants (integer codes)
     return block_matmul(x, code, scale, offset), jnp.dot(dx, dequantize_blocks(code, scale, offset))
 
 
 @jax.custom_jvp
 def block_matmul_stacked(x: jax.Array, code: jax.Array, scale: jax.Array, offset: jax.Array,
                          layer: jax.Array) -> jax.Array:
-    """:func:`block_matmul` with layer ``layer`` of stacked blocks (``code[L, K, N]``,
-    ``scale`` / ``offset`` ``[L, K / 32, N]``; N a multiple of 64), read where it lies."""
+    """:func:`block_matmul` with layer ``layer`` of stacked blocks (``code[L, K, N]``, or
+    packed ``[L, K, N / 2]``; ``scale`` / ``offset`` ``[L, K / 32, N]``; N a multiple of 64),
+    read where it lies."""
     _require()
-    return jax.ffi.ffi_call(STACKED_BLOCK_TARGET, jax.ShapeDtypeStruct((x.shape[0], code.shape[2]), jnp.float32),
+    target = STACKED_BLOCK_Q4_TARGET if code.dtype == jnp.uint8 else STACKED_BLOCK_TARGET
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], code_columns(code)), jnp.float32),
                             vmap_method="sequential")(x, code, scale, offset, jnp.asarray(layer, jnp.int32))
 
 
@@ -338,13 +390,13 @@ def _block_matmul_stacked_jvp(primals, tangents):
 
 def use_block_matmul(mode: str, x: jax.Array, code: jax.Array) -> bool:
     """Trace-time choice for ``x[M, K]`` times GGUF blocks ``code[K, N]`` (or stacked
-    ``code[L, K, N]``, then N a multiple of 64): float32 ``x``, K a multiple of 32, and the
-    kernels usable (else :func:`dequantize_blocks` and XLA's dot)."""
+    ``code[L, K, N]``, then N a multiple of 64; packed Q4 codes: N / 2 columns): float32 ``x``,
+    K a multiple of 32, and the kernels usable (else :func:`dequantize_blocks` and XLA's dot)."""
     _check_mode(mode)
-    if (x.ndim != 2 or code.ndim not in (2, 3) or x.dtype != jnp.float32 or code.dtype != jnp.int8
+    if (x.ndim != 2 or code.ndim not in (2, 3) or x.dtype != jnp.float32 or code.dtype not in (jnp.int8, jnp.uint8)
             or x.shape[1] != code.shape[-2] or code.shape[-2] % BLOCK_ROWS or x.shape[0] < 1):
         return False
-    if code.ndim == 3 and code.shape[2] % COL_MULTIPLE:
+    if code.ndim == 3 and code_columns(code) % COL_MULTIPLE:
         return False
     return _usable(mode)
 

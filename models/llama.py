@@ -64,7 +64,8 @@ from jax.sharding import PartitionSpec as P
 from specjax.models.base import KVCache, ModelOutput, TreeAttention, hidden_indices
 from specjax.models.cpu_kernels import compute_id as kernels_compute_id
 from specjax.models.cpu_kernels import (BLOCK_ROWS, KERNEL_MODES, attention_raw, block_matmul, block_matmul_stacked,
-                                        dequantize_blocks, rms_norm_raw, small_matmul, small_matmul_stacked,
+                                        dequantize_blocks, pack_q4, packable_q4, rms_norm_raw, small_matmul,
+                                        small_matmul_stacked, unpack_q4,
                                         use_attention, use_block_matmul, use_rms_norm, use_small_matmul,
                                         use_small_matmul_stacked)
 
@@ -665,13 +666,16 @@ def _fuse_block_params(cfg: LlamaConfig, w: Mapping[str, Any], lead: tuple) -> d
 def fuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     """:func:`fuse_layer` for a layer whose matrices are :class:`BlockWeights`: the fused
     codes under each matrix's name and its scales / offsets under ``name + "_scale"`` /
-    ``"_offset"``, in the fused layout with the input axis 32 times shorter."""
+    ``"_offset"``, in the fused layout with the input axis 32 times shorter. Fused codes all
+    in 0..15 (Q4_1) are packed two per byte (:func:`~specjax.models.cpu_kernels.pack_q4`:
+    uint8, the last axis half as long), the same weights at half the bytes."""
     mats = MATRIX_KEYS
     missing = [k for k in mats if not isinstance(w[k], BlockWeights)]
     if missing:
         raise ValueError(f"weight_blocks: {missing} are not BlockWeights")
     plain = {k: v for k, v in w.items() if k not in mats}
     out = fuse_layer(cfg, {**plain, **{k: w[k].code for k in mats}})
+    out.update({k: pack_q4(out[k]) for k in _FUSED_MATRICES if packable_q4(out[k])})
     lead = np.shape(w["attn_norm"])[:-1]
     for part in ("scale", "offset"):
         fused = _fuse_block_params(cfg, {k: np.asarray(getattr(w[k], part), np.float32) for k in mats}, lead)
@@ -682,6 +686,7 @@ def fuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
 def unfuse_blocks(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     """Inverse of :func:`fuse_blocks`: canonical weights with :class:`BlockWeights` matrices."""
     w = {k: _np(v) for k, v in w.items()}
+    w.update({k: unpack_q4(w[k]) for k in _FUSED_MATRICES if w[k].dtype == np.uint8})
     codes = unfuse_layer(cfg, {k: v for k, v in w.items() if not k.endswith(("_scale", "_offset"))})
     lead = np.shape(w["attn_norm"])[:-1]
     n, d = len(lead), cfg.dim // BLOCK_ROWS
@@ -884,8 +889,11 @@ class Block(nnx.Module):
         pd = cfg.weight_dtype
         lead = ("layers",) if stacked else ()
         for k, names in layer_param_names(cfg).items():
-            setattr(self, k, _param(jnp.asarray(w[k], jnp.int8 if cfg.weight_blocks and k in _FUSED_MATRICES else pd),
-                                    lead + names))
+            if cfg.weight_blocks and k in _FUSED_MATRICES:  # codes: int8, or packed Q4 (uint8)
+                dt = jnp.uint8 if np.asarray(w[k]).dtype == np.uint8 else jnp.int8
+            else:
+                dt = pd
+            setattr(self, k, _param(jnp.asarray(w[k], dt), lead + names))
         if cfg.weight_blocks:  # the blocks' scales and offsets: the weight's axes, input 32x shorter
             for k in _FUSED_MATRICES:
                 for part in ("scale", "offset"):
@@ -930,7 +938,7 @@ class Block(nnx.Module):
         s2, o2 = (a.reshape(D // BLOCK_ROWS, -1) for a in (scale, offset))
         if use_block_matmul(self.cfg.cpu_kernels, x2, c2):
             return block_matmul(x2, c2, s2, o2).reshape(B, T, -1)
-        w = dequantize_blocks(c2, s2, o2).reshape(code.shape)
+        w = dequantize_blocks(c2, s2, o2).reshape(code.shape[:-1] + (-1,))  # packed: twice the last axis
         return _linear(x, w, self.cfg.cpu_kernels)
 
     def __call__(self, x, k_all, v_all, layer, positions, cos, sin, window=None, tree=None):

@@ -20,7 +20,9 @@ Prints, per M, each build's median ms and its median ratio to the first build's 
 the same round, and checks that every build gives the first one's bits. ``--blocks``: the
 same matmuls from GGUF blocks (``SpecjaxBlockMatmul``: random Q4_1-like codes 0..15 with
 float16-valued scales and offsets per 32 inputs, as the loader keeps the default model's
-layers), the block kernel's builds compared instead.
+layers), the block kernel's builds compared instead. ``--packed``: with ``--blocks``, each
+build twice, the layer matrices' codes as int8 and packed two per byte (``pack_q4``, as the
+loader keeps Q4_1 layers; the Q8_0 head stays int8), e.g. ``--rev . --blocks --packed``.
 """
 from __future__ import annotations
 
@@ -75,23 +77,34 @@ def build(rev: str, i: int, out: Path, handler: str = "SpecjaxSmallMatmul") -> s
         raise SystemExit(f"bench_matmul_builds: building {rev} failed:\n{r.stderr[-3000:]}")
     name = f"bench_mm_{i}"
     handle = ctypes.cdll.LoadLibrary(str(lib))
-    if not hasattr(handle, handler):
-        raise SystemExit(f"bench_matmul_builds: the kernel at {rev} has no {handler}")
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, handler)), platform="cpu")
-    return name
+    # the packed handler (bench_mm_<i>_q4) comes with the build's int8 one (bench_mm_<i>)
+    handlers = {name: handler} if not handler.endswith("Q4") else {name: handler[:-2], f"{name}_q4": handler}
+    for target, h in handlers.items():
+        if not hasattr(handle, h):
+            raise SystemExit(f"bench_matmul_builds: the kernel at {rev} has no {h}")
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, h)), platform="cpu")
+    return list(handlers)[-1]
 
 
-def step_matmuls(target: str, m: int):
-    """One jitted call: every matmul of a step for ``m`` rows through FFI target ``target``."""
+def step_matmuls(target: str, m: int, packed: bool = False):
+    """One jitted call: every matmul of a step for ``m`` rows through FFI target ``target``
+    (``packed``: blocks whose uint8 codes are packed Q4 go to the packed handler, ``target``;
+    int8 ones, the head, to the same build's int8 handler)."""
+    int8_target = target.replace("_q4", "")
 
     @jax.jit
     def f(x, ws):
         outs = []
         for w in ws:  # a float32 matrix, or GGUF blocks (code, scale, offset)
             k, n = (w[0] if isinstance(w, tuple) else w).shape
+            t = target
+            if isinstance(w, tuple) and w[0].dtype == jnp.uint8:
+                n *= 2
+            elif packed:
+                t = int8_target
             xi = x if k == x.shape[1] else jnp.tile(x, (1, k // x.shape[1] + 1))[:, :k]
             args = w if isinstance(w, tuple) else (w,)
-            y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(xi, *args)
+            y = jax.ffi.ffi_call(t, jax.ShapeDtypeStruct((m, n), jnp.float32))(xi, *args)
             outs.append(y[:, :8])
         return jnp.concatenate(outs, axis=1)
 
@@ -105,8 +118,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--blocks", action="store_true", help="the GGUF block kernel (Q4_1-like blocks)")
     ap.add_argument("--unfused", action="store_true", help="q, k, v, gate, up as separate matmuls")
+    ap.add_argument("--packed", action="store_true",
+                    help="with --blocks: each build with int8 and with packed Q4 layer codes")
     args = ap.parse_args(argv)
     revs = args.rev or ["HEAD", "."]
+    if args.packed and not args.blocks:
+        ap.error("--packed needs --blocks")
     ms = [int(v) for v in args.ms.split(",")]
     if jax.default_backend() != "cpu":
         raise SystemExit("bench_matmul_builds: the kernels are for the CPU backend")
@@ -122,26 +139,34 @@ def main(argv=None):
         return jnp.asarray(code), jnp.asarray(scale), jnp.asarray(offset)
 
     ws = [weights(s) for _ in range(30) for s in (UNFUSED_SHAPES if args.unfused else LAYER_SHAPES)]
-    ws.append(weights(HEAD_SHAPE))
+    head = weights(HEAD_SHAPE)
     handler = "SpecjaxBlockMatmul" if args.blocks else "SpecjaxSmallMatmul"
+    runs = [(rev, handler, ws) for rev in revs]  # (build, handler, weights) timed side by side
+    if args.packed:
+        from specjax.models.cpu_kernels import pack_q4
+
+        packed = [(jnp.asarray(pack_q4(np.asarray(c))), s, o) for c, s, o in ws]
+        runs = [r for rev in revs for r in ((rev, handler, ws), (f"{rev} packed", "SpecjaxBlockMatmulQ4", packed))]
+    names = [r[0] for r in runs]
     with tempfile.TemporaryDirectory(prefix="specjax-mm-builds-") as tmp:
-        targets = [build(rev, i, Path(tmp), handler) for i, rev in enumerate(revs)]
-        print(f"builds: {', '.join(revs)} (ratios to {revs[0]}, same round)", flush=True)
+        targets = [build(rev.removesuffix(" packed"), i, Path(tmp), h) for i, (rev, h, _) in enumerate(runs)]
+        print(f"builds: {', '.join(names)} (ratios to {names[0]}, same round)", flush=True)
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32))
-            fs = [step_matmuls(t, m) for t in targets]
-            ref = np.asarray(fs[0](x, ws))
-            for rev, f in zip(revs[1:], fs[1:]):
-                if not np.array_equal(np.asarray(f(x, ws)), ref):
-                    raise SystemExit(f"bench_matmul_builds: {rev} gives other bits than {revs[0]} at M={m}")
+            fs = [step_matmuls(t, m, packed=h.endswith("Q4")) for t, (_, h, _) in zip(targets, runs)]
+            wl = [w + [head] for _, _, w in runs]
+            ref = np.asarray(fs[0](x, wl[0]))
+            for rev, f, w in zip(names[1:], fs[1:], wl[1:]):
+                if not np.array_equal(np.asarray(f(x, w)), ref):
+                    raise SystemExit(f"bench_matmul_builds: {rev} gives other bits than {names[0]} at M={m}")
             times = np.zeros((args.rounds, len(fs)))
             for r in range(args.rounds):
-                for j, f in enumerate(fs):
+                for j, (f, w) in enumerate(zip(fs, wl)):
                     t0 = time.perf_counter()
-                    f(x, ws).block_until_ready()
+                    f(x, w).block_until_ready()
                     times[r, j] = time.perf_counter() - t0
             cells = [f"{rev}: {np.median(times[:, j]) * 1e3:7.2f} ms (x{np.median(times[:, j] / times[:, 0]):.2f})"
-                     for j, rev in enumerate(revs)]
+                     for j, rev in enumerate(names)]
             print(f"M={m:3d}  " + "  ".join(cells) + ("  (same bits)" if len(fs) > 1 else ""), flush=True)
 
 

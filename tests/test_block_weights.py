@@ -86,6 +86,33 @@ def test_kernel_pads_columns_and_reads_stacked_layers_in_place():
     np.testing.assert_allclose(g, np.broadcast_to(w.sum(1), x.shape), rtol=1e-5, atol=1e-5)
 
 
+def test_packed_q4_codes_give_the_int8_codes_bits():
+    """Q4 codes packed two per byte (pack_q4): the same products as the int8 codes on every
+    path of the kernel (1-130 rows, tiles and K ranges, padded columns, stacked layers) and
+    in XLA's rebuild; codes outside 0..15 or a last axis not in 32-column groups are refused."""
+    rng = np.random.default_rng(11)
+    for k, n, ms in [(576, 960, (1, 2, 3, 4, 6, 8, 9, 12, 16, 23, 24, 65, 130)), (1536, 576, (1, 4, 9)),
+                     (96, 4160, (1, 5, 16)), (64, 96, (3,))]:  # N = 96: padded to 128
+        code, d, o = _random_blocks(rng, (k, n), "q4_1")
+        packed = ck.pack_q4(code)
+        assert packed.dtype == np.uint8 and packed.shape == (k, n // 2)
+        np.testing.assert_array_equal(ck.unpack_q4(packed), code)
+        np.testing.assert_array_equal(_bits(jax.jit(ck.dequantize_blocks)(packed, d, o)), _bits(_dense(code, d, o)))
+        for m in ms:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            np.testing.assert_array_equal(_bits(jax.jit(ck.block_matmul)(x, packed, d, o)),
+                                          _bits(jax.jit(ck.block_matmul)(x, code, d, o)), err_msg=f"{k} {n} {m}")
+    codes, ds, os_ = _random_blocks(rng, (3, 64, 192), "q4_1")
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    for layer in range(3):
+        np.testing.assert_array_equal(_bits(jax.jit(ck.block_matmul_stacked)(x, ck.pack_q4(codes), ds, os_, layer)),
+                                      _bits(ck.block_matmul(x, codes[layer], ds[layer], os_[layer])))
+    assert not ck.packable_q4(_random_blocks(rng, (64, 64), "q4_0")[0])  # -8..7
+    assert not ck.packable_q4(np.zeros((64, 48), np.int8))
+    with pytest.raises(ValueError, match="pack_q4"):
+        ck.pack_q4(np.full((32, 32), 16, np.int8))
+
+
 class _Tensor:
     """What the loader reads of a GGUF tensor: name, type, shape (ne0 first) and raw data."""
 
@@ -133,7 +160,7 @@ def _logits(lm, toks, max_len=32):
 def test_model_with_blocks_gives_the_float_models_bits(scan, tied):
     blocks, dense = _block_model(scan, tied)
     leaves = {str(np.asarray(v).dtype) for v in jax.tree.leaves(blocks.params)}
-    assert "int8" in leaves  # really stored as codes
+    assert {"int8", "uint8"} <= leaves  # really stored as codes: the head's, the layers' packed Q4
     toks = np.random.default_rng(1).integers(0, 128, (3, 9))
     np.testing.assert_array_equal(_bits(_logits(blocks, toks)), _bits(_logits(dense, toks)))
     # XLA's ops (weights rebuilt in the graph) give the XLA float path's bits
@@ -146,6 +173,10 @@ def test_blocks_round_trip_and_switch_off():
     blocks, dense = _block_model(scan=False)
     kept = blocks.canonical_weights(blocks=True)
     assert all(isinstance(kept[k], BlockWeights) for k in MATRICES + ("embed",))
+    assert all(kept[k].code.dtype == np.int8 for k in MATRICES)  # packed codes come back unpacked
+    again = LlamaLM.from_weights(blocks.config, kept).canonical_weights(blocks=True)
+    for k in MATRICES:
+        np.testing.assert_array_equal(again[k].code, kept[k].code, err_msg=k)
     flat, ref = blocks.canonical_weights(), dense.canonical_weights()
     for k in ref:
         np.testing.assert_array_equal(_bits(flat[k]), _bits(ref[k]), err_msg=k)
