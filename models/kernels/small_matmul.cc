@@ -30,6 +30,8 @@
 // weights, and with the same summation order y, have the float32 path's bits, from 1.25
 // bytes per weight instead of 4. Several register groups rebuild a 64 x 64 unit once into an
 // L1 buffer that all of them read; above kMaxSmallRowsBlocks rows BigJob rebuilds its panels.
+// Q4 codes (0..15) may come packed two per byte (SpecjaxBlockMatmulQ4, see DequantPacked):
+// the same weights from 0.75 bytes each.
 #include <immintrin.h>
 
 #include <cstdint>
