@@ -586,37 +586,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulF16, (SmallMatmulImpl<ffi::F16, 
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmul, (BlockMatmulImpl<ffi::S8, int8_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulStacked, (StackedBlockMatmulImpl<ffi::S8, int8_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulQ4, (BlockMatmulImpl<ffi::U8, uint8_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulQ4Stacked, (StackedBlockMatmulImpl<ffi::U8, uint8_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The block handlers, 2-D and stacked, for codes of FFI type CT stored as C
+#define SPECJAX_BLOCK_HANDLERS(NAME, CT, C)                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (BlockMatmulImpl<ffi::CT, C>),                            \
+                                ffi::Ffi::Bind()                                                \
+                                    .Ctx<ffi::ThreadPool>()                                     \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::CT>>()                                \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME##Stacked, (StackedBlockMatmulImpl<ffi::CT, C>),            \
+                                ffi::Ffi::Bind()                                                \
+                                    .Ctx<ffi::ThreadPool>()                                     \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::CT>>()                                \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                               \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
+SPECJAX_BLOCK_HANDLERS(SpecjaxBlockMatmul, S8, int8_t);     // int8 codes
+SPECJAX_BLOCK_HANDLERS(SpecjaxBlockMatmulQ4, U8, uint8_t);  // Q4 codes packed two per byte
