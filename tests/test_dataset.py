@@ -102,6 +102,28 @@ def test_inserts_prefill_at_their_own_width(models, which):
         assert one.tokens[0] == out.tokens[i], i
 
 
+def test_inserts_with_a_chunked_prefill(models):
+    """A prefill chunk of 16 and a dataset bucket of 64: prompts of up to 16 tokens are
+    inserted as one 16-token forward, longer ones at the dataset's width in chunks (the
+    chunks past the prompt skipped); every row is still what it gets alone."""
+    target, _ = models
+    eng = engine.AutoregressiveEngine(target, prefill_chunk=16)
+    traced, insert = [], eng._insert_program
+
+    def recorded(carry, args_one, slot, **static):
+        traced.append(args_one[1].shape)
+        return insert(carry, args_one, slot, **static)
+
+    eng._insert_program = recorded
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, V, n).tolist() for n in (50, 7, 12, 30, 40, 16, 3)]
+    kw = dict(seed=2, sampling_params=dict(temperature=1.0), max_new_tokens=10)
+    out = eng.generate_dataset(prompts, batch_size=2, **kw)
+    assert sorted(traced) == [(1, 16), (1, 64)], traced
+    for i, p in enumerate(prompts):
+        assert eng.generate([p], row_indices=[i], **kw).tokens[0] == out.tokens[i], i
+
+
 def test_batch_of_one_and_larger_than_the_dataset(models):
     target, _ = models
     eng = engine.AutoregressiveEngine(target)
