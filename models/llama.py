@@ -890,7 +890,7 @@ class Block(nnx.Module):
         lead = ("layers",) if stacked else ()
         for k, names in layer_param_names(cfg).items():
             if cfg.weight_blocks and k in _FUSED_MATRICES:  # codes: int8, or packed Q4 (uint8)
-                dt = jnp.uint8 if np.asarray(w[k]).dtype == np.uint8 else jnp.int8
+                dt = jnp.uint8 if w[k].dtype == np.uint8 else jnp.int8
             else:
                 dt = pd
             setattr(self, k, _param(jnp.asarray(w[k], dt), lead + names))

@@ -73,8 +73,10 @@ constexpr int64_t kPrefetchRows = 12;  // prefetch distance in weight rows (8-16
 constexpr int64_t kTileRowsBlocks = 64;
 constexpr int64_t kPrefetchBytesBlocks = 128;
 // Q4 codes packed two per byte (half the bytes of int8 codes): 64-row tiles at every M, the
-// codes prefetched one line ahead in the row. Measured (a one-off harness, every matrix of a
-// step as Q4): 0.81 / 0.80 / 0.86x the time of int8 codes at 1 / 2 / 4 rows.
+// codes prefetched one line ahead in the row (chosen in a one-off harness with every matrix
+// of a step as Q4). Measured (scripts/bench_matmul_builds.py --blocks --packed: the step's
+// layers packed, its Q8_0 head int8): 0.90-0.92 / 0.90-0.96 / 0.92-0.95x the time of int8
+// codes at 1 / 2 / 4 rows; a one-row pass is then bound by the rebuild's vector ops.
 constexpr int64_t kPrefetchBytesPacked = 64;
 constexpr int64_t kMaxChunks = 8;
 
@@ -259,8 +261,8 @@ inline void MicroBlockUpTo(int tm, const float* xt, int64_t xs, const C* w, cons
 
 // rows x 64 columns of GGUF blocks (code at w, row stride n; sc / of at the same column,
 // row0 the input row of the first row) rebuilt as float32 into out (row stride 64); each row
-// prefetches the codes pf bytes after it (Job: the same row of the next unit; BigJob's panel:
-// rows ahead in this unit)
+// prefetches the codes pf bytes after it (Job: the same row one int8 unit, 64 bytes, ahead;
+// BigJob's panel: rows ahead in this unit)
 template <class C>
 inline void DequantUnit(const C* __restrict w, const float* __restrict sc, const float* __restrict of,
                         int64_t row0, int64_t rows, int64_t n, float* __restrict out, int64_t pf = 64) {
@@ -558,52 +560,32 @@ ffi::Error StackedBlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return BlockCore<CT, C>(pool, x, code, scale, offset, layer.typed_data()[0], 1, y);
 }
 
+// The arguments every matmul handler binds first: the thread pool, x and the weights (FFI
+// type WT; GGUF blocks: the codes), and for blocks their scales and offsets after them.
+template <ffi::DataType WT>
+auto MatmulArgs() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<WT>>();
+}
+template <ffi::DataType CT>
+auto BlockArgs() {
+  return MatmulArgs<CT>().template Arg<ffi::Buffer<ffi::F32>>().template Arg<ffi::Buffer<ffi::F32>>();
+}
+using Y = ffi::Buffer<ffi::F32>;
+using Layer = ffi::Buffer<ffi::S32>;  // the stacked handlers' layer index
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulStacked, (StackedMatmulImpl<ffi::F32, float>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulStackedF16, (StackedMatmulImpl<ffi::F16, uint16_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmul, (SmallMatmulImpl<ffi::F32, float>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmul, (SmallMatmulImpl<ffi::F32, float>), MatmulArgs<ffi::F32>().Ret<Y>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulF16, (SmallMatmulImpl<ffi::F16, uint16_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-// The block handlers, 2-D and stacked, for codes of FFI type CT stored as C
-#define SPECJAX_BLOCK_HANDLERS(NAME, CT, C)                                                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (BlockMatmulImpl<ffi::CT, C>),                            \
-                                ffi::Ffi::Bind()                                                \
-                                    .Ctx<ffi::ThreadPool>()                                     \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
-                                    .Arg<ffi::Buffer<ffi::CT>>()                                \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
-                                    .Ret<ffi::Buffer<ffi::F32>>());                             \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME##Stacked, (StackedBlockMatmulImpl<ffi::CT, C>),            \
-                                ffi::Ffi::Bind()                                                \
-                                    .Ctx<ffi::ThreadPool>()                                     \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
-                                    .Arg<ffi::Buffer<ffi::CT>>()                                \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                               \
-                                    .Ret<ffi::Buffer<ffi::F32>>())
-SPECJAX_BLOCK_HANDLERS(SpecjaxBlockMatmul, S8, int8_t);     // int8 codes
-SPECJAX_BLOCK_HANDLERS(SpecjaxBlockMatmulQ4, U8, uint8_t);  // Q4 codes packed two per byte
+                              MatmulArgs<ffi::F16>().Ret<Y>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulStacked, (StackedMatmulImpl<ffi::F32, float>),
+                              MatmulArgs<ffi::F32>().Arg<Layer>().Ret<Y>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMatmulStackedF16, (StackedMatmulImpl<ffi::F16, uint16_t>),
+                              MatmulArgs<ffi::F16>().Arg<Layer>().Ret<Y>());
+// int8 codes, and Q4 codes packed two per byte
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmul, (BlockMatmulImpl<ffi::S8, int8_t>), BlockArgs<ffi::S8>().Ret<Y>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulStacked, (StackedBlockMatmulImpl<ffi::S8, int8_t>),
+                              BlockArgs<ffi::S8>().Arg<Layer>().Ret<Y>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulQ4, (BlockMatmulImpl<ffi::U8, uint8_t>), BlockArgs<ffi::U8>().Ret<Y>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockMatmulQ4Stacked, (StackedBlockMatmulImpl<ffi::U8, uint8_t>),
+                              BlockArgs<ffi::U8>().Arg<Layer>().Ret<Y>());
