@@ -60,8 +60,9 @@ def source_at(rev: str) -> str:
     return r.stdout
 
 
-def build(rev: str, i: int, out: Path, handler: str = "SpecjaxSmallMatmul") -> str:
-    """Build the kernel at ``rev`` and register its ``handler`` as target ``bench_mm_<i>``."""
+def build(rev: str, i: int, out: Path, handler: str = "SpecjaxSmallMatmul", packed: bool = False) -> str:
+    """Build the kernel at ``rev`` and register its ``handler`` as target ``bench_mm_<i>``
+    (``packed``: also its packed Q4 handler, ``handler + "Q4"``, as ``bench_mm_<i>_q4``)."""
     from specjax.models import cpu_kernels as ck
 
     cxx = ck.compiler()
@@ -77,20 +78,17 @@ def build(rev: str, i: int, out: Path, handler: str = "SpecjaxSmallMatmul") -> s
         raise SystemExit(f"bench_matmul_builds: building {rev} failed:\n{r.stderr[-3000:]}")
     name = f"bench_mm_{i}"
     handle = ctypes.cdll.LoadLibrary(str(lib))
-    # the packed handler (bench_mm_<i>_q4) comes with the build's int8 one (bench_mm_<i>)
-    handlers = {name: handler} if not handler.endswith("Q4") else {name: handler[:-2], f"{name}_q4": handler}
+    handlers = {name: handler, **({f"{name}_q4": handler + "Q4"} if packed else {})}
     for target, h in handlers.items():
         if not hasattr(handle, h):
             raise SystemExit(f"bench_matmul_builds: the kernel at {rev} has no {h}")
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, h)), platform="cpu")
-    return list(handlers)[-1]
+    return name
 
 
-def step_matmuls(target: str, m: int, packed: bool = False):
+def step_matmuls(target: str, m: int):
     """One jitted call: every matmul of a step for ``m`` rows through FFI target ``target``
-    (``packed``: blocks whose uint8 codes are packed Q4 go to the packed handler, ``target``;
-    int8 ones, the head, to the same build's int8 handler)."""
-    int8_target = target.replace("_q4", "")
+    (blocks whose codes are packed Q4, uint8, through the same build's ``target + "_q4"``)."""
 
     @jax.jit
     def f(x, ws):
@@ -99,9 +97,7 @@ def step_matmuls(target: str, m: int, packed: bool = False):
             k, n = (w[0] if isinstance(w, tuple) else w).shape
             t = target
             if isinstance(w, tuple) and w[0].dtype == jnp.uint8:
-                n *= 2
-            elif packed:
-                t = int8_target
+                n, t = 2 * n, target + "_q4"
             xi = x if k == x.shape[1] else jnp.tile(x, (1, k // x.shape[1] + 1))[:, :k]
             args = w if isinstance(w, tuple) else (w,)
             y = jax.ffi.ffi_call(t, jax.ShapeDtypeStruct((m, n), jnp.float32))(xi, *args)
@@ -141,20 +137,21 @@ def main(argv=None):
     ws = [weights(s) for _ in range(30) for s in (UNFUSED_SHAPES if args.unfused else LAYER_SHAPES)]
     head = weights(HEAD_SHAPE)
     handler = "SpecjaxBlockMatmul" if args.blocks else "SpecjaxSmallMatmul"
-    runs = [(rev, handler, ws) for rev in revs]  # (build, handler, weights) timed side by side
+    layer_sets = {"": ws}  # the runs of each build: its weights (by name suffix)
     if args.packed:
         from specjax.models.cpu_kernels import pack_q4
 
-        packed = [(jnp.asarray(pack_q4(np.asarray(c))), s, o) for c, s, o in ws]
-        runs = [r for rev in revs for r in ((rev, handler, ws), (f"{rev} packed", "SpecjaxBlockMatmulQ4", packed))]
-    names = [r[0] for r in runs]
+        layer_sets[" packed"] = [(jnp.asarray(pack_q4(np.asarray(c))), s, o) for c, s, o in ws]
     with tempfile.TemporaryDirectory(prefix="specjax-mm-builds-") as tmp:
-        targets = [build(rev.removesuffix(" packed"), i, Path(tmp), h) for i, (rev, h, _) in enumerate(runs)]
+        targets = [build(rev, i, Path(tmp), handler, args.packed) for i, rev in enumerate(revs)]
+        # (name, target, weights) timed side by side
+        runs = [(rev + sfx, t, w + [head]) for rev, t in zip(revs, targets) for sfx, w in layer_sets.items()]
+        names = [r[0] for r in runs]
         print(f"builds: {', '.join(names)} (ratios to {names[0]}, same round)", flush=True)
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32))
-            fs = [step_matmuls(t, m, packed=h.endswith("Q4")) for t, (_, h, _) in zip(targets, runs)]
-            wl = [w + [head] for _, _, w in runs]
+            fs = [step_matmuls(t, m) for _, t, _ in runs]
+            wl = [w for _, _, w in runs]
             ref = np.asarray(fs[0](x, wl[0]))
             for rev, f, w in zip(names[1:], fs[1:], wl[1:]):
                 if not np.array_equal(np.asarray(f(x, w)), ref):
