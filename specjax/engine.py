@@ -605,10 +605,54 @@ class TokenStream:
 _LOGITS = ("batch", None, "vocab")
 
 
+_OWN = object()  # _call_args: the hints of the batch it is given
+
+
+def resolve_batch_hints(batch_hints: Optional[bool] = None) -> bool:
+    """Whether an engine traces its programs under each call's batch hints
+    (:class:`specjax.sampling.BatchHints`): a bool as given; None: ``$SPECJAX_BATCH_HINTS``
+    (1 / 0), else on a GPU only. There each batch-level ``cond`` the hints decide would be a
+    device-to-host copy and a stream wait per round (XLA's ``ConditionalThunk``); on a CPU a
+    cond costs about a microsecond, while the hints make a program per kind of call (greedy
+    or not, filters, penalties) where one serves them all; on a TPU conds run on the chip.
+    Either way the tokens are the same."""
+    if batch_hints is not None:
+        if not isinstance(batch_hints, bool):
+            raise ValueError(f"batch_hints must be True, False or None, got {batch_hints!r}")
+        return batch_hints
+    env = os.environ.get("SPECJAX_BATCH_HINTS", "").strip().lower()
+    if env in ("1", "on", "true"):
+        return True
+    if env in ("0", "off", "false"):
+        return False
+    if env not in ("", "auto"):
+        raise ValueError(f"SPECJAX_BATCH_HINTS must be 1, 0 or auto, got {env!r}")
+    return jax.default_backend() == "gpu"
+
+
 class _Sharded:
-    """Mixin: placement of inputs and constraints inside the trace for ``self.sharding``."""
+    """Mixin: placement of inputs and constraints inside the trace for ``self.sharding``;
+    the batch hints a call's programs are traced under."""
 
     sharding = None
+    batch_hints = False
+
+    def _hints_of(self, batch: Batch, greedy: bool = False):
+        """The :class:`specjax.sampling.BatchHints` of ``batch``'s settings (``greedy``: every
+        row at temperature 0), or None when this engine does not use them."""
+        if not self.batch_hints:
+            return None
+        params = batch.params
+        if greedy:
+            params = params.replace(temperature=np.zeros(np.shape(params.temperature), np.float32))
+        return sampling.hints_for(params, self.target.vocab_size, bool(batch.use_penalties))
+
+    def _with_hints(self, full: Batch, static_opts: dict) -> dict:
+        """A dataset run's options with the hints of the whole dataset (the rows a slot takes
+        later included), so that every program of the run is traced under the same hints."""
+        if "hints" in static_opts:
+            return static_opts
+        return dict(static_opts, hints=self._hints_of(full, static_opts.get("greedy", False)))
 
     @property
     def _top_values(self):
@@ -680,7 +724,7 @@ class _Sharded:
         carry = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
                              start.out_info, start.output_shardings)
         advance = self._executable((carry, *self._advance_inputs(args), np.int32(0), np.bool_(False)),
-                                   {}, "_advance")
+                                   dict(hints=static["hints"]), "_advance")
         finish = self._executable((carry,), dict(out_cap=static["out_cap"]), "_finish")
         return start, advance, finish
 
@@ -741,7 +785,7 @@ class _Sharded:
             got = self._compiled.get(sig)
             if got is None:
                 got = self._compiled[sig] = jax.jit(
-                    self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len")
+                    self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len", "hints")
                 ).lower(carry, one, np.int32(0), **static).compile()
             return got
 
@@ -799,7 +843,8 @@ class _Sharded:
         (leaves with a batch axis are gathered along it; batch-level leaves, such as the
         loop index and adaptive K's evidence, stay), and the shapes of the result. Built
         once per engine and shapes."""
-        static = dict(out_cap=full.out_cap, cache_len=full.cache_len)  # as _call_args gives
+        static = dict(out_cap=full.out_cap, cache_len=full.cache_len,  # as _call_args gives
+                      hints=static_opts["hints"])
         big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
         sig = ("_tail", str(jax.tree.structure(big)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(big)),
                m, tuple(sorted(static.items())))
@@ -809,7 +854,7 @@ class _Sharded:
             small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
             small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small)
             advance = self._executable((small, *self._advance_inputs(args), np.int32(0), np.bool_(False)),
-                                       {}, "_advance")
+                                       dict(hints=static["hints"]), "_advance")
             finish = self._executable((small,), dict(out_cap=static["out_cap"]), "_finish")
 
             def gather(carry, idx):
@@ -829,6 +874,7 @@ class _Sharded:
 
     def _compile_dataset(self, full: Batch, b: int, static_opts: dict, compact) -> None:
         """The programs of ``generate_dataset(batch_size=b, compact=compact)``."""
+        static_opts = self._with_hints(full, static_opts)
         tail = self._tail_sizes(b, compact)
         _, (start, *_) = self._dataset_executables(full, b, static_opts)
         if tail:
@@ -854,11 +900,11 @@ class _Sharded:
             return dict(static_opts, costs=np.ones(self.k + 1))
         return static_opts
 
-    def _insert_program(self, carry, args_one, slot, *, out_cap, cache_len):
+    def _insert_program(self, carry, args_one, slot, *, out_cap, cache_len, hints=None):
         """Prefill one prompt (``args_one``: :meth:`_call_args` of a one-row batch) and put
         it in batch row ``slot`` of the loop state: its state, statistics and caches
         start afresh; the loop index and batch-level evidence stay."""
-        one = self._start_program(*args_one, out_cap=out_cap, cache_len=cache_len)
+        one = self._start_program(*args_one, out_cap=out_cap, cache_len=cache_len, hints=hints)
         b = carry.state.seq_len.shape[0]
         rows = {f.name: jax.tree.map(lambda big, small: _put_row(big, small, slot, b),
                                      getattr(carry, f.name), getattr(one, f.name))
@@ -883,6 +929,7 @@ class _Sharded:
         on_host = lambda a: np.asarray(jax.device_get(a)) if isinstance(a, jax.Array) else a  # noqa: E731
         full = dataclasses.replace(full, params=jax.tree.map(on_host, full.params),
                                    controls=jax.tree.map(on_host, full.controls))
+        static_opts = self._with_hints(full, static_opts)
         slots = list(range(b))  # dataset row in each slot (None: idle, nothing left)
         nxt = b
         tail = self._tail_sizes(b, compact)
@@ -1273,7 +1320,8 @@ class SpeculativeEngine(_Sharded):
     """
 
     def __init__(self, target, proposer: Proposer, method: str = "token", *, sharding=None,
-                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = False, costs=None):
+                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = False, costs=None,
+                 batch_hints: Optional[bool] = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(proposer, Proposer):
@@ -1298,6 +1346,7 @@ class SpeculativeEngine(_Sharded):
         self.sharding = sharding
         self.prefill_chunk = _check_chunk(prefill_chunk)
         self.adaptive = bool(adaptive)
+        self.batch_hints = resolve_batch_hints(batch_hints)
         if self.adaptive:
             if self.tree:
                 raise ValueError("adaptive K (k='auto') takes a chain proposer, not a draft tree")
@@ -1308,9 +1357,9 @@ class SpeculativeEngine(_Sharded):
             for b, c in dict(costs).items():
                 self.set_costs(b, c)
         self.trace_count = 0
-        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len"))
-        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len"))
-        self._advance = jax.jit(self._advance_program, donate_argnums=(0,))
+        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._advance = jax.jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
         self._finish = jax.jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
@@ -1338,20 +1387,22 @@ class SpeculativeEngine(_Sharded):
     # _run: a whole generation (prefill + the loop until every row is done); _start and
     # _advance: the same split in chunks for streaming (the carry stays on the devices).
     def _program(self, target_params, draft_params, prompts, prompt_lens, row_keys, params,
-                 controls, max_new, stop_ids, use_penalties, costs, *, out_cap, cache_len):
+                 controls, max_new, stop_ids, use_penalties, costs, *, out_cap, cache_len, hints=None):
         carry = self._start_program(target_params, draft_params, prompts, prompt_lens, row_keys,
                                     params, controls, max_new, stop_ids, use_penalties, costs,
-                                    out_cap=out_cap, cache_len=cache_len)
-        carry = self._loop(carry, target_params, draft_params, row_keys, params, controls,
-                           max_new, stop_ids, use_penalties, costs)
+                                    out_cap=out_cap, cache_len=cache_len, hints=hints)
+        with sampling.batch_hints(hints):
+            carry = self._loop(carry, target_params, draft_params, row_keys, params, controls,
+                               max_new, stop_ids, use_penalties, costs)
         return self._finish_program(carry, out_cap)
 
     def _start_program(self, target_params, draft_params, prompts, prompt_lens, row_keys, params,
                        controls, max_new, stop_ids, use_penalties, costs, *, out_cap,
-                       cache_len) -> SpecCarry:
+                       cache_len, hints=None) -> SpecCarry:
         self.trace_count += 1
-        return self._prefill(target_params, draft_params, prompts, prompt_lens, max_new,
-                             out_cap=out_cap, cache_len=cache_len)
+        with sampling.batch_hints(hints):
+            return self._prefill(target_params, draft_params, prompts, prompt_lens, max_new,
+                                 out_cap=out_cap, cache_len=cache_len)
 
     def _loop(self, carry: SpecCarry, target_params, draft_params, row_keys, params, controls,
               max_new, stop_ids, use_penalties, costs, until=None, pause=None) -> SpecCarry:
@@ -1425,9 +1476,10 @@ class SpeculativeEngine(_Sharded):
         return out[0]
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
-                         max_new, stop_ids, use_penalties, costs, until, pause) -> SpecCarry:
-        return self._loop(carry, target_params, draft_params, row_keys, params, controls,
-                          max_new, stop_ids, use_penalties, costs, until, pause)
+                         max_new, stop_ids, use_penalties, costs, until, pause, *, hints=None) -> SpecCarry:
+        with sampling.batch_hints(hints):
+            return self._loop(carry, target_params, draft_params, row_keys, params, controls,
+                              max_new, stop_ids, use_penalties, costs, until, pause)
 
     def choose_k(self, c: SpecCarry, costs, inputs, tail=True) -> jax.Array:
         """Adaptive K: the draft tokens of the next round per row (int32[B] in 0..K; the
@@ -1659,7 +1711,8 @@ class SpeculativeEngine(_Sharded):
             return jax.vmap(lambda t, lp: _tree.point_mass_target_verify(
                 t, lp[0], lp[1:], max_depth=max_depth))(tree, p_lp)
 
-        return jax.lax.cond(sampling.at_most_one_possible(p_lp), point_masses, sampled, None)
+        return sampling.known_cond(sampling.all_point_masses(), lambda: sampling.at_most_one_possible(p_lp),
+                                   point_masses, sampled, None)
 
     def _score(self, target_params, state: DecodeState, x, nd, tcache):
         """The target's forward over [s[c-1], x_1..x_K] -> (logits [B, K+1, V], the proposer's hidden
@@ -1700,7 +1753,8 @@ class SpeculativeEngine(_Sharded):
             return lambda _: jax.vmap(lambda kk, *a: one_row(kk, *a, single=single))(
                 round_keys, x, q_lp, p_lp, nd)
 
-        return jax.lax.cond(sampling.at_most_one_possible(p_lp), rows(True), rows(False), None)
+        return sampling.known_cond(sampling.all_point_masses(), lambda: sampling.at_most_one_possible(p_lp),
+                                   rows(True), rows(False), None)
 
     @staticmethod
     def position_counts(counts, x, nd):
@@ -1837,12 +1891,15 @@ class SpeculativeEngine(_Sharded):
         return prepare_batch(prompts, self.target, k=self.k,
                              min_prompt_len=self.proposer.min_prompt_len, **kwargs)
 
-    def _call_args(self, batch: Batch, costs=None):
+    def _call_args(self, batch: Batch, costs=None, hints=_OWN):
+        """(the program's arguments, its static settings) for ``batch``; ``hints``: as
+        ``_hints_of(batch)`` unless given (a dataset run's, of the whole dataset)."""
         if costs is None:
             costs = self.costs_for(batch.size, like=batch) if self.adaptive else np.ones(self.k + 1)
         args = (self._placed(self.target.params, "target"), self._placed(self.proposer.params, "draft"),
                 *self._device_inputs(batch), self._put(np.asarray(costs, np.float32)))
-        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len)
+        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len,
+                          hints=self._hints_of(batch) if hints is _OWN else hints)
 
     def generate(self, prompts, *, raise_on_error=True, **kwargs) -> GenerateOutput:
         """Generate for a batch of prompts (lists of token ids). ``kwargs``: ``keys`` (one per
@@ -1917,27 +1974,30 @@ class AutoregressiveEngine(_Sharded):
     as for :class:`SpeculativeEngine`.
     """
 
-    def __init__(self, target, *, sharding=None, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, target, *, sharding=None, prefill_chunk: int = PREFILL_CHUNK,
+                 batch_hints: Optional[bool] = None):
         self.target = target
         self.sharding = sharding
         self.prefill_chunk = _check_chunk(prefill_chunk)
+        self.batch_hints = resolve_batch_hints(batch_hints)
         self.trace_count = 0
-        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len"))
-        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len"))
-        self._advance = jax.jit(self._advance_program, donate_argnums=(0,))
+        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._advance = jax.jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
         self._finish = jax.jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
     def _program(self, target_params, prompts, prompt_lens, row_keys, params, controls, max_new,
-                 stop_ids, use_penalties, *, out_cap, cache_len):
+                 stop_ids, use_penalties, *, out_cap, cache_len, hints=None):
         carry = self._start_program(target_params, prompts, prompt_lens, row_keys, params, controls,
                                     max_new, stop_ids, use_penalties, out_cap=out_cap, cache_len=cache_len)
-        carry = self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
-                           use_penalties)
+        with sampling.batch_hints(hints):
+            carry = self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
+                               use_penalties)
         return self._finish_program(carry, out_cap)
 
     def _start_program(self, target_params, prompts, prompt_lens, row_keys, params, controls, max_new,
-                       stop_ids, use_penalties, *, out_cap, cache_len) -> "ARCarry":
+                       stop_ids, use_penalties, *, out_cap, cache_len, hints=None) -> "ARCarry":
         self.trace_count += 1
         tgt = self.target
         b = prompts.shape[0]
@@ -1975,9 +2035,10 @@ class AutoregressiveEngine(_Sharded):
         return jax.lax.while_loop(_more(carry, until, pause), body, carry)
 
     def _advance_program(self, carry, target_params, row_keys, params, controls, max_new, stop_ids,
-                         use_penalties, until, pause) -> "ARCarry":
-        return self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
-                          use_penalties, until, pause)
+                         use_penalties, until, pause, *, hints=None) -> "ARCarry":
+        with sampling.batch_hints(hints):
+            return self._loop(carry, target_params, row_keys, params, controls, max_new, stop_ids,
+                              use_penalties, until, pause)
 
     def _finish_program(self, carry: "ARCarry", out_cap: int) -> dict:
         return self._c_out(dict(_outputs(carry.state, out_cap), iterations=carry.round))
@@ -1990,12 +2051,13 @@ class AutoregressiveEngine(_Sharded):
     def prepare(self, prompts, **kwargs) -> Batch:
         return prepare_batch(prompts, self.target, **kwargs)
 
-    def _call_args(self, batch: Batch, greedy: bool = False):
+    def _call_args(self, batch: Batch, greedy: bool = False, hints=_OWN):
         if greedy:  # temperature 0 for every row (the same program: it is a value)
             t = np.zeros(np.shape(batch.params.temperature), np.float32)
             batch = dataclasses.replace(batch, params=batch.params.replace(temperature=t))
         args = (self._placed(self.target.params, "target"), *self._device_inputs(batch))
-        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len)
+        return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len,
+                          hints=self._hints_of(batch) if hints is _OWN else hints)
 
     def generate(self, prompts, *, greedy=False, raise_on_error=True, **kwargs) -> GenerateOutput:
         """As :meth:`SpeculativeEngine.generate`; ``greedy``: temperature 0 for every row."""

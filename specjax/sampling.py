@@ -36,9 +36,18 @@ over the ordered float32 bit patterns (again behind a batch-level ``lax.cond``; 
 ``V <= _CANDIDATES`` every value is a candidate and that path is not even compiled).  Call
 ``process_logits`` on the whole batch, not under ``jax.vmap`` (``vmap`` turns ``cond``
 into ``select`` and every branch would run).
+
+Batch hints (:class:`BatchHints`, :func:`batch_hints`): a batch-level ``cond`` costs little
+on a CPU, but on a GPU XLA runs each one as a copy of its predicate to the host and a wait
+for the stream (``ConditionalThunk``), several per token. What a whole call's settings
+decide (every row greedy or none, some row filtering or none, penalties on or off) the host
+knows before the call: the engine traces its programs under these hints, and each cond they
+decide becomes its branch, the same ops as the branch the cond would take, so the same bits.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Callable, Optional, Sequence, Union
 
@@ -50,7 +59,8 @@ import numpy as np
 from specjax.keys import random_bits
 
 __all__ = ["SamplingParams", "SamplingConfig", "Controls", "make_controls", "process_logits", "process_rows", "sample",
-           "sample_rows", "draw_single", "at_most_one_possible", "gumbel"]
+           "sample_rows", "draw_single", "at_most_one_possible", "gumbel", "BatchHints", "batch_hints",
+           "current_hints", "hints_for", "known_cond", "all_point_masses"]
 
 Scalar = Union[float, int]
 PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
@@ -460,6 +470,69 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     return jnp.maximum(t_k, t_p)
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchHints:
+    """What the host knows of a whole call's sampling settings (:func:`hints_for`), for the
+    programs traced under :func:`batch_hints`: each field decides a batch-level ``cond`` of
+    the pipeline, or leaves it to the program (``None``). Static: part of a program's identity.
+
+    * ``greedy``: every row has temperature 0 (True) or none has (False); ``None`` mixed. True
+      also decides the draws (:func:`sample_rows`) and the engine's verification branches:
+      every processed row is then a point mass;
+    * ``filters``: some non-greedy row has top-p < 1 or 0 < top-k < ``vocab`` (True), or none
+      has (False);
+    * ``penalties``: the call's ``use_penalties``;
+    * ``vocab``: the vocabulary the first two were decided for (logits of another width keep
+      their conds)."""
+    greedy: Optional[bool]
+    filters: bool
+    penalties: bool
+    vocab: int
+
+
+def hints_for(params: "SamplingParams", vocab: int, use_penalties: bool) -> BatchHints:
+    """The :class:`BatchHints` of a call's per-row settings (host values, as the engine
+    holds them before the call), decided as the program would decide its conds."""
+    t, top_k, top_p = np.broadcast_arrays(np.asarray(params.temperature, np.float32),
+                                          np.asarray(params.top_k, np.int32), np.asarray(params.top_p, np.float32))
+    greedy = t == 0
+    on = (((top_k > 0) & (top_k < vocab)) | (top_p < 1)) & ~greedy  # as _filtered's topk_on | topp_on
+    return BatchHints(greedy=bool(greedy.all()) if greedy.all() or not greedy.any() else None,
+                      filters=bool(on.any()), penalties=bool(use_penalties), vocab=int(vocab))
+
+
+_HINTS: contextvars.ContextVar = contextvars.ContextVar("specjax_batch_hints", default=None)
+
+
+@contextlib.contextmanager
+def batch_hints(hints: Optional[BatchHints]):
+    """Trace the pipeline under ``hints`` (None: every batch-level ``cond`` stays a cond)."""
+    token = _HINTS.set(hints)
+    try:
+        yield
+    finally:
+        _HINTS.reset(token)
+
+
+def current_hints(vocab: Optional[int] = None) -> Optional[BatchHints]:
+    """The hints being traced under (None outside :func:`batch_hints`, or when ``vocab`` is
+    given and is not the one they were decided for)."""
+    h = _HINTS.get()
+    if h is None or (vocab is not None and h.vocab != vocab):
+        return None
+    return h
+
+
+def known_cond(known: Optional[bool], pred, true_fn, false_fn, operand):
+    """``lax.cond(pred(), true_fn, false_fn, operand)``, or the branch ``known`` names
+    (the same ops, traced without the cond)."""
+    if known is True:
+        return true_fn(operand)
+    if known is False:
+        return false_fn(operand)
+    return jax.lax.cond(pred(), true_fn, false_fn, operand)
+
+
 def _leading(params_field, batch_shape, dtype):
     """A per-row field aligned with the leading axes, as a flat [N] array."""
     return jnp.broadcast_to(_lead(params_field, len(batch_shape)), batch_shape).astype(dtype).reshape(-1)
@@ -526,8 +599,9 @@ def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Ar
     safe_t = jnp.where(greedy, 1.0, temperature[:, None])
     iota = jnp.arange(v, dtype=jnp.int32)
     # Greedy: a point mass at the first maximum (ties -> lowest id).
-    first = jax.lax.cond(
-        jnp.any(greedy),
+    h = current_hints(v)
+    first = known_cond(
+        None if h is None or h.greedy is None else h.greedy, lambda: jnp.any(greedy),
         lambda x: jnp.min(jnp.where(x == xmax, iota, v), axis=-1, keepdims=True),
         lambda x: jnp.zeros((x.shape[0], 1), jnp.int32), x)
 
@@ -537,8 +611,8 @@ def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Ar
 
     topk_on = (top_k > 0) & (top_k < v) & ~greedy[:, 0]
     topp_on = (top_p < 1) & ~greedy[:, 0]
-    thr = jax.lax.cond(
-        jnp.any(topk_on | topp_on),
+    thr = known_cond(
+        None if h is None else h.filters, lambda: jnp.any(topk_on | topp_on),
         lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on, top_values),
         lambda x: jnp.full(x.shape[:1], _NEG_INF, jnp.float32), x)
     # min-p: p(x) >= min_p * max p  <=>  z(x) >= log(min_p)  (log(0) = -inf: off).
@@ -628,8 +702,9 @@ def process_rows(logits, params, counts, use_penalties, allowed=None, bias=None,
     # only the penalties are inside the cond: the rest of the pipeline is traced once (the
     # same ops in the same order as process_logits, so the same bits)
     if counts is not None:
-        x = jax.lax.cond(use_penalties, lambda x: _penalized(x, p, counts() if callable(counts) else counts),
-                         lambda x: x, x)
+        h = current_hints()
+        x = known_cond(None if h is None else h.penalties, lambda: use_penalties,
+                  lambda x: _penalized(x, p, counts() if callable(counts) else counts), lambda x: x, x)
     return _filtered(x, p, top_values)
 
 
@@ -637,6 +712,13 @@ def sample_rows(keys, logprobs):
     """One token per row from [B, V] processed log-probs with per-row keys. When every row
     has at most one possible token (all rows greedy) the draw is that token, taken without
     generating noise (the same result: :func:`draw_single`)."""
-    return jax.lax.cond(at_most_one_possible(logprobs),
-                        lambda lp: jax.vmap(draw_single)(lp),
-                        lambda lp: jax.vmap(sample)(keys, lp), logprobs)
+    return known_cond(all_point_masses(), lambda: at_most_one_possible(logprobs),
+                 lambda lp: jax.vmap(draw_single)(lp),
+                 lambda lp: jax.vmap(sample)(keys, lp), logprobs)
+
+
+def all_point_masses() -> Optional[bool]:
+    """True when the hints being traced under say every row is greedy: every processed row
+    is then a point mass and :func:`at_most_one_possible` holds (else None: test it)."""
+    h = current_hints()
+    return True if h is not None and h.greedy is True else None

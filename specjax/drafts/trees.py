@@ -44,6 +44,7 @@ from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_pro
     ChainTreeProposer, CommitContext, ModelBackedProposer, Proposal, ProposeContext, is_tree_proposer)
 from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, fold_in, position_key, role_key
+from specjax import sampling
 from specjax.sampling import gumbel, sample
 from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, accept_table, full_tree_shape, positional_tree_shape,
                           select_level, shape_depths)
@@ -615,8 +616,10 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                                                          branching=self.sampled_tree_shape())
                 return cache, pad_tree(tree, n)
 
-            greedy = jnp.all(ctx.params.temperature <= 0)
-            cache, tree = jax.lax.cond(greedy, topk_tree, sampled_tree, cache)
+            h = sampling.current_hints()  # a call known to be all greedy or none: no cond
+            cache, tree = sampling.known_cond(None if h is None else h.greedy,
+                                              lambda: jnp.all(ctx.params.temperature <= 0),
+                                              topk_tree, sampled_tree, cache)
         return Proposal(tree.tokens, None, jnp.sum(tree.valid, axis=1).astype(jnp.int32),
                         dict(cache=cache, h=state["h"]), tree)
 

@@ -1,0 +1,115 @@
+"""Batch hints (specjax.sampling.BatchHints): programs traced with the batch-level conds
+that a call's settings decide replaced by their branch give the same tokens and statistics
+as with the conds, and have fewer conditionals (on a GPU each is a host sync per round)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from specjax import engine, sampling
+from specjax.drafts import DraftModelProposer
+from specjax.drafts.trees import make_tree_proposer
+from specjax.models.eagle import EagleConfig, EagleModel
+
+V = 8
+PROMPTS = [[1, 5, 2], [3, 3, 0, 6, 1], [7, 2], [4, 4, 4, 1, 2, 0]]
+
+CONFIGS = {
+    "greedy": sampling.SamplingConfig(temperature=0.0),
+    "t1": sampling.SamplingConfig(temperature=1.0),
+    "filters": sampling.SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05),
+    "penalties": sampling.SamplingConfig(temperature=0.9, repetition_penalty=1.8, presence_penalty=0.7),
+    # mixed rows: greedy undecided, filters on for the sampled rows
+    "mixed": sampling.SamplingParams.create(4, temperature=[0.0, 1.0, 0.7, 0.0], top_p=[1.0, 0.8, 1.0, 0.5]),
+}
+
+
+def _params(cfg, b):
+    return cfg if isinstance(cfg, sampling.SamplingParams) else sampling.SamplingParams.create(
+        b, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+        repetition_penalty=cfg.repetition_penalty, presence_penalty=cfg.presence_penalty)
+
+
+def test_hints_for_decides_as_the_program_would():
+    mk = sampling.SamplingParams.create
+    h = sampling.hints_for(mk(3, temperature=0.0, top_p=0.5, top_k=2), V, False)
+    assert h == sampling.BatchHints(greedy=True, filters=False, penalties=False, vocab=V)  # greedy rows ignore filters
+    h = sampling.hints_for(mk(2, temperature=[1.0, 0.5], top_k=[0, V]), V, True)
+    assert (h.greedy, h.filters, h.penalties) == (False, False, True)  # top-k 0 and >= V are off
+    assert sampling.hints_for(mk(2, temperature=1.0, top_k=[0, V - 1]), V, False).filters is True
+    assert sampling.hints_for(mk(2, temperature=[0.0, 1.0], top_p=[0.5, 1.0]), V, False).greedy is None
+    assert sampling.hints_for(mk(2, temperature=[0.0, 1.0], top_p=[0.5, 1.0]), V, False).filters is False
+    assert sampling.hints_for(mk(2, temperature=[0.0, 1.0], top_p=[1.0, 0.5]), V, False).filters is True
+
+
+def test_resolve_batch_hints(monkeypatch):
+    monkeypatch.delenv("SPECJAX_BATCH_HINTS", raising=False)
+    assert engine.resolve_batch_hints() is False  # a CPU
+    assert engine.resolve_batch_hints(True) is True and engine.resolve_batch_hints(False) is False
+    monkeypatch.setenv("SPECJAX_BATCH_HINTS", "1")
+    assert engine.resolve_batch_hints() is True and engine.resolve_batch_hints(False) is False
+    monkeypatch.setenv("SPECJAX_BATCH_HINTS", "maybe")
+    with pytest.raises(ValueError, match="SPECJAX_BATCH_HINTS"):
+        engine.resolve_batch_hints()
+    with pytest.raises(ValueError, match="batch_hints"):
+        engine.resolve_batch_hints("yes")
+
+
+def _engines(kind, target, draft, hints):
+    if kind == "autoregressive":
+        return engine.AutoregressiveEngine(target, batch_hints=hints)
+    if kind == "tree":  # an EAGLE head: top-k trees in greedy rounds, sampled ones otherwise
+        cfg = EagleConfig.for_target(target.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32)
+        head = EagleModel.for_target(target, cfg, seed=3)
+        prop = make_tree_proposer(head, 2, 2, 5, "without_replacement", (2, 1))
+        return engine.SpeculativeEngine(target, prop, "tree", batch_hints=hints)
+    if kind == "auto":  # adaptive K with a fixed cost table: rounds of 0..3 drafts
+        return engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token", adaptive=True,
+                                        costs={4: [1.0, 1.2, 1.4, 1.6]}, batch_hints=hints)
+    return engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), kind, batch_hints=hints)
+
+
+@pytest.mark.parametrize("kind", ["token", "block", "autoregressive", "tree", "auto"])
+def test_same_outputs_with_and_without_hints(target, draft, kind):
+    off, on = (_engines(kind, target, draft, h) for h in (False, True))
+    configs = CONFIGS if kind in ("token", "autoregressive") else {c: CONFIGS[c] for c in ("greedy", "filters", "mixed")}
+    for name, cfg in configs.items():
+        kw = dict(seed=3, sampling_params=_params(cfg, len(PROMPTS)), max_new_tokens=12, stop_tokens=[0])
+        a, b = off.generate(PROMPTS, **kw), on.generate(PROMPTS, **kw)
+        assert a.tokens == b.tokens, name
+        for key in ("num_accepted", "alpha_sum", "rounds", "k_rounds"):
+            if key in a.raw:
+                np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{name}: {key}")
+
+
+def _conditionals(eng, cfg):
+    txt = eng.lower(PROMPTS, seed=0, sampling_params=_params(cfg, len(PROMPTS)), max_new_tokens=8).compile().as_text()
+    return len(re.findall(r"\bconditional\(", txt))
+
+
+def test_hints_take_the_decided_conds_out_of_the_programs(target, draft):
+    for kind in ("autoregressive", "token"):
+        off, on = (_engines(kind, target, draft, h) for h in (False, True))
+        for name in ("greedy", "t1", "penalties"):
+            n_off, n_on = _conditionals(off, CONFIGS[name]), _conditionals(on, CONFIGS[name])
+            assert n_on < n_off, (kind, name, n_off, n_on)
+        # all greedy, no filters, no penalties: every sampling cond is decided
+        assert _conditionals(on, CONFIGS["greedy"]) == 0 if kind == "autoregressive" else True
+        # mixed rows: the greedy-dependent conds stay
+        assert _conditionals(on, CONFIGS["mixed"]) > _conditionals(on, CONFIGS["greedy"])
+
+
+def test_dataset_hints_come_from_the_whole_dataset(target, draft):
+    # the first slots' rows are greedy, later ones sampled: hints taken from the first batch
+    # alone would draw the later rows as point masses
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    n = len(prompts)
+    params = sampling.SamplingParams.create(n, temperature=[0.0] * 4 + [1.0] * (n - 4))
+    for kind in ("token", "autoregressive"):
+        off, on = (_engines(kind, target, draft, h) for h in (False, True))
+        kw = dict(seed=9, sampling_params=params, max_new_tokens=10)
+        a = off.generate_dataset(prompts, batch_size=4, **kw)
+        b = on.generate_dataset(prompts, batch_size=4, **kw)
+        assert a.tokens == b.tokens, kind
