@@ -103,10 +103,13 @@ def report(title: str, b: dict, hlo: dict, n_calls: int, top: int, unit: str) ->
     total = sum(kinds.values()) / 1e3 / it
     model = kinds.get("model kernels (ffi_call)", 0) / 1e3 / it
     once = sum(d for d, _ in b["once"].values()) / 1e3 / n_calls
+    # conditionals run per iteration: on a GPU each is a device-to-host copy of its predicate
+    # and a wait for the stream (XLA's ConditionalThunk), see specjax.sampling.BatchHints
+    conds = sum(c for k, c in n_ops.items() if k.split(".")[0] in ("cond", "conditional")) / it
     print(f"\n== {title}: {it} {unit}s in {n_calls} calls; per {unit}: {total:.2f} ms "
           f"(model kernels {model:.2f} ms, other {total - model:.2f} ms in "
-          f"{sum(c for k, c in n_ops.items() if not k.startswith('model')) / it:.0f} ops); "
-          f"once per call: {once:.1f} ms")
+          f"{sum(c for k, c in n_ops.items() if not k.startswith('model')) / it:.0f} ops, "
+          f"{conds:.1f} conditionals); once per call: {once:.1f} ms")
     for k, d in kinds.most_common(12):
         print(f"  {d / 1e3 / it:8.3f} ms  {n_ops[k] / it:6.1f} ops  {k}")
     print(f"  heaviest single operations outside the model kernels (ms per {unit}):")
@@ -115,6 +118,7 @@ def report(title: str, b: dict, hlo: dict, n_calls: int, top: int, unit: str) ->
         shape, op = hlo.get(n, ("?", ""))
         print(f"  {d / 1e3 / it:8.3f}  x{c / it:4.1f}  {n:36s} {shape[:34]:34s} {op[-70:]}")
     return dict(iterations=it, trace_iterations=b["trace_iterations"], per_iteration_ms=total, model_kernels_ms=model, other_ms=total - model,
+                conditionals=conds,
                 once_per_call_ms=once, by_kind_ms={k: d / 1e3 / it for k, d in kinds.most_common()})
 
 
