@@ -22,6 +22,10 @@ slot that ends early still returns what was measured):
 * ``spec``: ``scripts/bench_schedule.py`` (autoregressive, K=3 and k=auto at batch 1 / 16 /
   64, T 0 and 1, float32) and ``scripts/benchmark.py --config gpu --param-dtype bfloat16``
   (bf16 target, cost ratios);
+* ``syncs``: the batch-1 / 16 schedule (T 0 and 1, K = 3, k=auto) with batch hints off, on
+  (the GPU default) and on with XLA's command buffers holding conditionals and while loops
+  (``GRAPH_FLAGS``), then a profile of rounds with the hints: what the host syncs of a
+  round's conditionals cost on this device (specjax.sampling.BatchHints);
 * ``trees``: ``scripts/benchmark.py --config trees`` with the chain (K = 3, 5) against
   large draft trees (top-8, 32 nodes at T = 0; the 44-node positional sampled tree at T = 1),
   batch 1;
@@ -70,6 +74,8 @@ def stages(smoke: bool) -> dict:
         spec = [("schedule", [PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0",
                               "--ks", "2", "--max-new", "8", "--repeats", "1", "--out", "{out}/schedule"], 600)]
         peer = [("hf", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "8", "--smoke"], 300)]
+        syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0",
+                        "--ks", "2", "--max-new", "8", "--repeats", "1"], 300)
         prof = [("round", [PY, "scripts/profile_round.py", "--model", "tiny", "--draft", "layers:1", "--k", "2",
                            "--prompts", "1", "--tokens", "8", "--no-hlo", "--out", "{out}/profile"], 300)]
         trees = [("trees", [PY, "scripts/benchmark.py", "--config", "trees", "--num-prompts", "1", "--max-new-tokens",
@@ -98,6 +104,8 @@ def stages(smoke: bool) -> dict:
                 ("schedule-f32-b16-64", sched + ["--batches", "16,64", "--out", "{out}/schedule_b16_64"], 200),
                 ("benchmark-bf16", [PY, "scripts/benchmark.py", "--config", "gpu", "--param-dtype", "bfloat16",
                                     "--no-markdown", "--no-plots", "--out", "{out}/bench_bf16"], 180)]
+        syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1,16", "--temps", "0,1",
+                        "--ks", "3", "--max-new", "64", "--repeats", "3"], 120)
         # a jax.profiler trace of speculative rounds and autoregressive steps (the files come
         # back under profile/: where the round's time outside the models goes on this device)
         prof = [("round-k3-t0", [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "0", "--prompts", "2",
@@ -118,8 +126,27 @@ def stages(smoke: bool) -> dict:
         train = _train(["configs/train/eagle3_smollm2_gpu.yaml", "--time-budget", "420"], 460)
         head = _head([], ["--prompts", "40", "--max-new-tokens", "96"],
                      ["--num-prompts", "8", "--max-new-tokens", "128", "--ks", "3"], 90)
-    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "trees": trees, "peer": peer,
-            "train": train, "head": head}
+    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "syncs": syncs, "trees": trees,
+            "peer": peer, "train": train, "head": head}
+
+
+# XLA's command buffers (CUDA graphs) with conditionals and while loops inside them: their
+# predicates then stay on the device (CUDA conditional nodes) instead of a host sync each
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+
+
+def _syncs(sched: list, limit: int) -> list:
+    """Stage ``syncs``: the same schedule (autoregressive, K, k=auto) with batch hints off
+    (every sampling cond a host sync per round on a GPU), on (the GPU default), and on with
+    conditionals and while loops in XLA's command buffers; plus a profile of rounds with the
+    hints on, for the conditionals each round still runs."""
+    env = lambda hints, *extra: ["env", f"SPECJAX_BATCH_HINTS={hints}", *extra]  # noqa: E731
+    return [("schedule-hints-off", env(0) + sched + ["--out", "{out}/syncs_off"], limit),
+            ("schedule-hints-on", env(1) + sched + ["--out", "{out}/syncs_on"], limit),
+            ("schedule-hints-graphs", env(1, f"XLA_FLAGS={GRAPH_FLAGS}") + sched + ["--out", "{out}/syncs_graphs"], limit),
+            ("round-k3-t1-hints", env(1) + [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "1",
+                                            "--prompts", "2", "--tokens", "32", "--no-hlo", "--out",
+                                            "{out}/profile_hints"], limit)]
 
 
 def _train(args: list, limit: int) -> list:
