@@ -718,7 +718,11 @@ def sample_rows(keys, logprobs):
 
 
 def all_point_masses() -> Optional[bool]:
-    """True when the hints being traced under say every row is greedy: every processed row
-    is then a point mass and :func:`at_most_one_possible` holds (else None: test it)."""
+    """For the branches on :func:`at_most_one_possible` (the draws here, the engine's
+    verifiers): True when the hints being traced under say every row is greedy (every
+    processed row is then a point mass); False when they say none is: the general branch,
+    which gives the same tokens for a row that happens to be a point mass (top-k 1, one
+    allowed token): the Gumbel-max of a row with one finite entry is that entry, and a
+    residual or bonus law with one is drawn alike; None (mixed rows, or no hints): test it."""
     h = current_hints()
-    return True if h is not None and h.greedy is True else None
+    return None if h is None else h.greedy
