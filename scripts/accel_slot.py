@@ -3,7 +3,7 @@ BENCHMARKS.md needs, stage by stage, inside a time budget (a benchmark driver, n
 or, as a slot of its own, issue 18's EAGLE-3 training run (stages ``train`` and ``head``).
 
     python scripts/accel_slot.py --out "$OUT" --stages roofline,smollm --budget 420   # device call 1
-    python scripts/accel_slot.py --out "$OUT" --stages profile,spec,trees,peer --budget 300 # device call 2
+    python scripts/accel_slot.py --out "$OUT" --stages syncs,profile,spec,trees,peer --budget 300 # device call 2
     python scripts/accel_slot.py --smoke --out out/slot_smoke  # the same stages, toy sizes, CPU
 
 Stages (``--stages``, in this order; each is a subprocess with its own time limit, cut to
@@ -22,7 +22,7 @@ slot that ends early still returns what was measured):
 * ``spec``: ``scripts/bench_schedule.py`` (autoregressive, K=3 and k=auto at batch 1 / 16 /
   64, T 0 and 1, float32) and ``scripts/benchmark.py --config gpu --param-dtype bfloat16``
   (bf16 target, cost ratios);
-* ``syncs``: the batch-1 / 16 schedule (T 0 and 1, K = 3, k=auto) with batch hints off, on
+* ``syncs``: the batch-1 schedule (T 0 and 1, K = 3, k=auto) with batch hints off, on
   (the GPU default) and on with XLA's command buffers holding conditionals and while loops
   (``GRAPH_FLAGS``), then a profile of rounds with the hints: what the host syncs of a
   round's conditionals cost on this device (specjax.sampling.BatchHints);
@@ -104,8 +104,8 @@ def stages(smoke: bool) -> dict:
                 ("schedule-f32-b16-64", sched + ["--batches", "16,64", "--out", "{out}/schedule_b16_64"], 200),
                 ("benchmark-bf16", [PY, "scripts/benchmark.py", "--config", "gpu", "--param-dtype", "bfloat16",
                                     "--no-markdown", "--no-plots", "--out", "{out}/bench_bf16"], 180)]
-        syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1,16", "--temps", "0,1",
-                        "--ks", "3", "--max-new", "64", "--repeats", "3"], 120)
+        syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0,1",
+                        "--ks", "3", "--max-new", "64", "--repeats", "3"], 90)
         # a jax.profiler trace of speculative rounds and autoregressive steps (the files come
         # back under profile/: where the round's time outside the models goes on this device)
         prof = [("round-k3-t0", [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "0", "--prompts", "2",
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/slot")
     ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds for the stages of this call together (a device call may run 600 s at most)")
-    ap.add_argument("--stages", default="roofline,smollm,profile,spec,trees,peer")
+    ap.add_argument("--stages", default="roofline,smollm,syncs,profile,spec,trees,peer")
     ap.add_argument("--work", default=None,
                     help="where stages keep what a later call needs (the trained head; default: --out)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself on a CPU")
