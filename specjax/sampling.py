@@ -601,7 +601,7 @@ def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Ar
     # Greedy: a point mass at the first maximum (ties -> lowest id).
     h = current_hints(v)
     first = known_cond(
-        None if h is None or h.greedy is None else h.greedy, lambda: jnp.any(greedy),
+        None if h is None else h.greedy, lambda: jnp.any(greedy),
         lambda x: jnp.min(jnp.where(x == xmax, iota, v), axis=-1, keepdims=True),
         lambda x: jnp.zeros((x.shape[0], 1), jnp.int32), x)
 
@@ -704,17 +704,18 @@ def process_rows(logits, params, counts, use_penalties, allowed=None, bias=None,
     if counts is not None:
         h = current_hints()
         x = known_cond(None if h is None else h.penalties, lambda: use_penalties,
-                  lambda x: _penalized(x, p, counts() if callable(counts) else counts), lambda x: x, x)
+                       lambda x: _penalized(x, p, counts() if callable(counts) else counts), lambda x: x, x)
     return _filtered(x, p, top_values)
 
 
 def sample_rows(keys, logprobs):
     """One token per row from [B, V] processed log-probs with per-row keys. When every row
     has at most one possible token (all rows greedy) the draw is that token, taken without
-    generating noise (the same result: :func:`draw_single`)."""
+    generating noise (the same result: :func:`draw_single`); under batch hints the branch
+    is :func:`all_point_masses`' when it is known."""
     return known_cond(all_point_masses(), lambda: at_most_one_possible(logprobs),
-                 lambda lp: jax.vmap(draw_single)(lp),
-                 lambda lp: jax.vmap(sample)(keys, lp), logprobs)
+                      lambda lp: jax.vmap(draw_single)(lp),
+                      lambda lp: jax.vmap(sample)(keys, lp), logprobs)
 
 
 def all_point_masses() -> Optional[bool]:
