@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from specjax import build, sampling  # noqa: E402
-from specjax.engine import cost_file  # noqa: E402
+from specjax.engine import cost_file, resolve_batch_hints  # noqa: E402
 
 
 def _csv(typ):
@@ -205,9 +205,13 @@ def main():
                  f"--dataset-repeats >= 1 (got {', '.join(bad) or a.dataset_repeats})")
     target, tok, _ = build.load_target("default")
     draft, _ = build.resolve_draft("default", target)
+    import jax
+
+    hints = resolve_batch_hints()  # the engines' (build.make_engine leaves it to the backend / env)
     lines = [f"command: `python {shlex.join(['scripts/bench_schedule.py'] + sys.argv[1:])}`",
-             f"cost file: {cost_file()}"]
-    out = {"grid": [], "dataset": []}
+             f"cost file: {cost_file()}",
+             f"device: {jax.devices()[0].device_kind}; batch hints: {'on' if hints else 'off'}"]
+    out = {"grid": [], "dataset": [], "device": jax.devices()[0].device_kind, "batch_hints": hints}
     if not a.skip_grid:
         out["grid"] = grid(a, target, draft, tok, lines)
     if not a.skip_dataset:
