@@ -608,6 +608,12 @@ _LOGITS = ("batch", None, "vocab")
 _OWN = object()  # _call_args: the hints of the batch it is given
 
 
+def _all_greedy(params: sampling.SamplingParams) -> sampling.SamplingParams:
+    """``params`` with temperature 0 for every row (``greedy=True`` of the autoregressive
+    engine: the same program, since it is a value)."""
+    return params.replace(temperature=np.zeros(np.shape(params.temperature), np.float32))
+
+
 def resolve_batch_hints(batch_hints: Optional[bool] = None) -> bool:
     """Whether an engine traces its programs under each call's batch hints
     (:class:`specjax.sampling.BatchHints`): a bool as given; None: ``$SPECJAX_BATCH_HINTS``
@@ -642,16 +648,12 @@ class _Sharded:
         row at temperature 0), or None when this engine does not use them."""
         if not self.batch_hints:
             return None
-        params = batch.params
-        if greedy:
-            params = params.replace(temperature=np.zeros(np.shape(params.temperature), np.float32))
+        params = _all_greedy(batch.params) if greedy else batch.params
         return sampling.hints_for(params, self.target.vocab_size, bool(batch.use_penalties))
 
     def _with_hints(self, full: Batch, static_opts: dict) -> dict:
         """A dataset run's options with the hints of the whole dataset (the rows a slot takes
         later included), so that every program of the run is traced under the same hints."""
-        if "hints" in static_opts:
-            return static_opts
         return dict(static_opts, hints=self._hints_of(full, static_opts.get("greedy", False)))
 
     @property
@@ -2052,9 +2054,8 @@ class AutoregressiveEngine(_Sharded):
         return prepare_batch(prompts, self.target, **kwargs)
 
     def _call_args(self, batch: Batch, greedy: bool = False, hints=_OWN):
-        if greedy:  # temperature 0 for every row (the same program: it is a value)
-            t = np.zeros(np.shape(batch.params.temperature), np.float32)
-            batch = dataclasses.replace(batch, params=batch.params.replace(temperature=t))
+        if greedy:
+            batch = dataclasses.replace(batch, params=_all_greedy(batch.params))
         args = (self._placed(self.target.params, "target"), *self._device_inputs(batch))
         return args, dict(out_cap=batch.out_cap, cache_len=batch.cache_len,
                           hints=self._hints_of(batch) if hints is _OWN else hints)
