@@ -60,7 +60,7 @@ from specjax.keys import random_bits
 
 __all__ = ["SamplingParams", "SamplingConfig", "Controls", "make_controls", "process_logits", "process_rows", "sample",
            "sample_rows", "draw_single", "at_most_one_possible", "gumbel", "BatchHints", "batch_hints",
-           "current_hints", "hints_for", "known_cond", "all_point_masses"]
+           "current_hints", "hints_for", "known_cond", "known_greedy", "all_point_masses"]
 
 Scalar = Union[float, int]
 PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
@@ -718,6 +718,13 @@ def sample_rows(keys, logprobs):
                       lambda lp: jax.vmap(sample)(keys, lp), logprobs)
 
 
+def known_greedy() -> Optional[bool]:
+    """Whether every row is greedy (True) or none is (False), as the hints being traced
+    under say; None without hints or with mixed rows."""
+    h = current_hints()
+    return None if h is None else h.greedy
+
+
 def all_point_masses() -> Optional[bool]:
     """For the branches on :func:`at_most_one_possible` (the draws here, the engine's
     verifiers): True when the hints being traced under say every row is greedy (every
@@ -725,5 +732,4 @@ def all_point_masses() -> Optional[bool]:
     which gives the same tokens for a row that happens to be a point mass (top-k 1, one
     allowed token): the Gumbel-max of a row with one finite entry is that entry, and a
     residual or bonus law with one is drawn alike; None (mixed rows, or no hints): test it."""
-    h = current_hints()
-    return None if h is None else h.greedy
+    return known_greedy()

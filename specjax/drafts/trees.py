@@ -616,8 +616,8 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                                                          branching=self.sampled_tree_shape())
                 return cache, pad_tree(tree, n)
 
-            h = sampling.current_hints()  # a call known to be all greedy or none: no cond
-            cache, tree = sampling.known_cond(None if h is None else h.greedy,
+            # a call known to be all greedy or none: no cond
+            cache, tree = sampling.known_cond(sampling.known_greedy(),
                                               lambda: jnp.all(ctx.params.temperature <= 0),
                                               topk_tree, sampled_tree, cache)
         return Proposal(tree.tokens, None, jnp.sum(tree.valid, axis=1).astype(jnp.int32),
