@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,13 +206,11 @@ def main():
                  f"--dataset-repeats >= 1 (got {', '.join(bad) or a.dataset_repeats})")
     target, tok, _ = build.load_target("default")
     draft, _ = build.resolve_draft("default", target)
-    import jax
-
     hints = resolve_batch_hints()  # the engines' (build.make_engine leaves it to the backend / env)
+    device = jax.devices()[0].device_kind
     lines = [f"command: `python {shlex.join(['scripts/bench_schedule.py'] + sys.argv[1:])}`",
-             f"cost file: {cost_file()}",
-             f"device: {jax.devices()[0].device_kind}; batch hints: {'on' if hints else 'off'}"]
-    out = {"grid": [], "dataset": [], "device": jax.devices()[0].device_kind, "batch_hints": hints}
+             f"cost file: {cost_file()}", f"device: {device}; batch hints: {'on' if hints else 'off'}"]
+    out = {"grid": [], "dataset": [], "device": device, "batch_hints": hints}
     if not a.skip_grid:
         out["grid"] = grid(a, target, draft, tok, lines)
     if not a.skip_dataset:
