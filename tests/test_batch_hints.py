@@ -28,12 +28,6 @@ CONFIGS = {
 }
 
 
-def _params(cfg, b):
-    return cfg if isinstance(cfg, sampling.SamplingParams) else sampling.SamplingParams.create(
-        b, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-        repetition_penalty=cfg.repetition_penalty, presence_penalty=cfg.presence_penalty)
-
-
 def test_hints_for_decides_as_the_program_would():
     mk = sampling.SamplingParams.create
     h = sampling.hints_for(mk(3, temperature=0.0, top_p=0.5, top_k=2), V, False)
@@ -85,16 +79,16 @@ def test_same_outputs_with_and_without_hints(target, draft, kind):
     off, on = (_engines(kind, target, draft, h) for h in (False, True))
     for name in SUBSETS[kind]:
         cfg = CONFIGS[name]
-        kw = dict(seed=3, sampling_params=_params(cfg, len(PROMPTS)), max_new_tokens=12, stop_tokens=[0])
+        kw = dict(seed=3, sampling_params=cfg, max_new_tokens=12, stop_tokens=[0])
         a, b = off.generate(PROMPTS, **kw), on.generate(PROMPTS, **kw)
         assert a.tokens == b.tokens, name
-        for key in ("num_accepted", "alpha_sum", "rounds", "k_rounds"):
-            if key in a.raw:
-                np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{name}: {key}")
+        assert a.raw.keys() == b.raw.keys()
+        for key in a.raw.keys() - {"proposer_state"}:  # every statistic, bit for bit
+            np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{name}: {key}")
 
 
 def _conditionals(eng, cfg):
-    txt = eng.lower(PROMPTS, seed=0, sampling_params=_params(cfg, len(PROMPTS)), max_new_tokens=8).compile().as_text()
+    txt = eng.lower(PROMPTS, seed=0, sampling_params=cfg, max_new_tokens=8).compile().as_text()
     return len(re.findall(r"\bconditional\(", txt))
 
 
