@@ -1,0 +1,177 @@
+"""scripts/bench/hlo.py: kernels, host syncs and bytes per loop iteration of compiled HLO
+(what scripts/gpu_aot.py reports for a GPU), on a hand-written module whose counts are
+known and on programs XLA compiles here."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from scripts.bench import hlo
+from scripts import gpu_aot
+
+# A decode-like loop: each iteration reads one row of a cache (a slice), runs an inner loop
+# of 4 known trips (2 kernels each), a data-dependent conditional (2 kernels or none) and
+# writes one row back in place; the loop's predicate is one more kernel.
+MODULE = """HloModule m, is_scheduled=true
+
+FileNames
+1 "/repo/specjax/engine.py"
+2 "/usr/lib/python3/site-packages/jax/_src/lax.py"
+
+FunctionNames
+1 "round_body"
+2 "bind"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}
+2 {file_name_id=2 function_name_id=2 line=99 end_line=99 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+%fused_dus (p0: f32[8,16], p1: f32[1,16], p2: s32[]) -> f32[8,16] {
+  %p1 = f32[1,16]{1,0} parameter(1)
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dus = f32[8,16]{1,0} dynamic-update-slice(%p0, %p1, %p2, %c)
+}
+
+%fused_slice (q0: f32[8,16], q1: s32[]) -> f32[1,16] {
+  %q0 = f32[8,16]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %ds = f32[1,16]{1,0} dynamic-slice(%q0, %q1, %c0), dynamic_slice_sizes={1,16}
+  ROOT %n = f32[1,16]{1,0} negate(%ds)
+}
+
+%fused_exp (r0: f32[1,16]) -> f32[1,16] {
+  %r0 = f32[1,16]{1,0} parameter(0)
+  ROOT %e = f32[1,16]{1,0} exponential(%r0)
+}
+
+%inner_body (t: (s32[], f32[1,16])) -> (s32[], f32[1,16]) {
+  %t = (s32[], f32[1,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[1,16]{1,0} get-tuple-element(%t), index=1
+  %f = f32[1,16]{1,0} fusion(%x), kind=kLoop, calls=%fused_exp
+  %one = s32[] constant(1)
+  %i2 = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[1,16]{1,0}) tuple(%i2, %f)
+}
+
+%inner_cond (t2: (s32[], f32[1,16])) -> pred[] {
+  %t2 = (s32[], f32[1,16]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%t2), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %four), direction=LT
+}
+
+%branch_a (a: f32[1,16]) -> f32[1,16] {
+  %a = f32[1,16]{1,0} parameter(0)
+  %a1 = f32[1,16]{1,0} fusion(%a), kind=kLoop, calls=%fused_exp
+  ROOT %a2 = f32[1,16]{1,0} fusion(%a1), kind=kLoop, calls=%fused_exp
+}
+
+%branch_b (b: f32[1,16]) -> f32[1,16] {
+  ROOT %b = f32[1,16]{1,0} parameter(0)
+}
+
+%body (s: (s32[], f32[8,16], pred[])) -> (s32[], f32[8,16], pred[]) {
+  %s = (s32[], f32[8,16]{1,0}, pred[]) parameter(0)
+  %k = s32[] get-tuple-element(%s), index=0
+  %cache = f32[8,16]{1,0} get-tuple-element(%s), index=1
+  %flag = pred[] get-tuple-element(%s), index=2
+  %row = f32[1,16]{1,0} fusion(%cache, %k), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(f)/while/body/slice" stack_frame_id=2}
+  %zero = s32[] constant(0)
+  %it = (s32[], f32[1,16]{1,0}) tuple(%zero, %row)
+  %w = (s32[], f32[1,16]{1,0}) while(%it), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+  %y = f32[1,16]{1,0} get-tuple-element(%w), index=1
+  %z = f32[1,16]{1,0} conditional(%flag, %y, %y), true_computation=%branch_a, false_computation=%branch_b
+  %new = f32[8,16]{1,0} fusion(%cache, %z, %k), kind=kLoop, calls=%fused_dus
+  ROOT %out = (s32[], f32[8,16]{1,0}, pred[]) tuple(%k, %new, %flag)
+}
+
+%cond (c: (s32[], f32[8,16], pred[])) -> pred[] {
+  %c = (s32[], f32[8,16]{1,0}, pred[]) parameter(0)
+  %kk = s32[] get-tuple-element(%c), index=0
+  %eight = s32[] constant(8)
+  ROOT %more = pred[] compare(%kk, %eight), direction=LT
+}
+
+ENTRY %main (cache0: f32[8,16], flag0: pred[]) -> (s32[], f32[8,16], pred[]) {
+  %cache0 = f32[8,16]{1,0} parameter(0)
+  %flag0 = pred[] parameter(1)
+  %k0 = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}, pred[]) tuple(%k0, %cache0, %flag0)
+  ROOT %loop = (s32[], f32[8,16]{1,0}, pred[]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_counts_of_a_known_module():
+    mod = hlo.parse(MODULE)
+    assert mod.entry == "main"
+    loops = hlo.loops(mod)
+    assert [(lp.name, lp.depth, lp.trip_count) for lp in loops] == [("loop", 0, None), ("w", 1, 4)]
+    outer, inner = loops
+    assert inner.per_iteration.kernels == 2 and inner.per_iteration.syncs == 0
+    # slice 1 + inner loop 4 x 2 + branch a 2 (or b 0) + in-place update 1 + predicate 1
+    assert outer.per_iteration.kernels == 13 and outer.least.kernels == 11
+    assert outer.per_iteration.syncs == 2  # the loop's predicate and the conditional's
+    assert hlo.main_loop(mod).name == "loop"
+    # the slice reads one row (64 B) and its index (4 B) and writes a row; the update
+    # writes one row in place and reads the row and the index, not the cache
+    body = {i.name: i for i in mod.computations["body"]}
+    shapes = {i.name: i.shape for i in mod.computations["body"]}
+    assert hlo.kernel_bytes(mod, body["row"], shapes) == 64 + 4 + 64
+    assert hlo.kernel_bytes(mod, body["new"], shapes) == 64 + 64 + 4
+    assert outer.per_iteration.by_source["specjax/engine.py:round_body"] == 1
+
+
+def test_shape_bytes():
+    assert hlo.shape_bytes("bf16[30,1,3,208,64]{4,3,2,1,0}") == 30 * 3 * 208 * 64 * 2
+    assert hlo.shape_bytes("(s32[], f32[4,256]{1,0}, pred[2])") == 4 + 4 * 256 * 4 + 2
+    assert hlo.shape_bytes("f32[]") == 4
+
+
+def test_a_program_xla_compiles_here():
+    """The reader on XLA's own output: a while loop with an inner fori_loop of 3 trips and a
+    conditional whose branches differ (CPU HLO has the GPU's loop and branch structure)."""
+    def f(x, w, p):
+        def inner(i, x):
+            return jnp.tanh(x @ w) + i
+
+        def body(c):
+            i, x = c
+            x = jax.lax.fori_loop(0, 3, inner, x)
+            x = jax.lax.cond(p[i % 4] > 0, lambda x: jnp.tanh(x @ w @ w), jnp.sin, x)
+            return i + 1, x
+
+        return jax.lax.while_loop(lambda c: c[1].sum() < 100.0, body, (0, x))
+
+    text = jax.jit(f).lower(jnp.ones((4, 64)), jnp.ones((64, 64)), jnp.ones(4)).compile().as_text()
+    mod = hlo.parse(text)
+    loops = hlo.loops(mod)
+    outer = hlo.main_loop(mod)
+    inner = [lp for lp in loops if lp.trip_count == 3]
+    assert outer.depth == 0 and outer.trip_count is None and len(inner) == 1
+    assert outer.per_iteration.syncs == 2 and inner[0].per_iteration.syncs == 0
+    # the inner loop's kernels count three times over, the larger branch once
+    assert outer.least.kernels >= 3 * inner[0].per_iteration.kernels
+    assert outer.per_iteration.kernels > outer.least.kernels
+
+
+def test_gpu_target_config_names_the_chip():
+    text = gpu_aot.target_config("h200")
+    assert "memory_bandwidth: 4800000000000" in text and "major: 9" in text
+    assert 'device_description_str: "NVIDIA H200 141GB HBM3e"' in text
+
+
+def test_gpu_aot_rejects_bad_lists_before_work(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_aot.main(["--batches", "0"])
+    assert "must be >= 1" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        gpu_aot.main(["--ks", "x"])
+    assert "bad list" in str(e.value.code)
