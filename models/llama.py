@@ -1009,14 +1009,27 @@ def _linear(x, w, cpu_kernels: str = "xla"):
         # sharded minor output axis (w_gate_up [D, 2, F] with F split) is not a sharding
         # XLA can express, so it would all-gather the weight on every call.
         k = next(i for i in range(1, w.ndim + 1) if math.prod(w.shape[:i]) == D)
-        y = jax.lax.dot_general(x.reshape(B * T, D), w.reshape((D,) + w.shape[k:]).astype(x.dtype),
-                                (((1,), (0,)), ((), ())))
+        y = _matmul(x.reshape(B * T, D), w.reshape((D,) + w.shape[k:]).astype(x.dtype))
         return y.reshape((B, T) + w.shape[k:])  # [B, T, *out]: callers reshape as they need
     x2, w2 = x.reshape(B * T, D), w.reshape(D, -1)
     if use_small_matmul(cpu_kernels, x2, w2):
         return small_matmul(x2, w2).reshape(B, T, -1)
-    y = jax.lax.dot_general(x2, w2.astype(x2.dtype), (((1,), (0,)), ((), ())))
-    return y.reshape(B, T, -1)
+    return _matmul(x2, w2.astype(x2.dtype)).reshape(B, T, -1)
+
+
+def _matmul(x2, w):
+    """``x2 [M, D] @ w [D, *out]``. On a GPU one row is computed as two equal rows: XLA's
+    GPU compiler rewrites a vector-matrix product below ~10M multiply-adds into a multiply
+    and a reduction, and where the output is narrow (SmolLM2's o and down projections,
+    Llama-3.2-1B's o projection) it first writes the transposed products, a weight-sized
+    array, and reads them back: three times the weight's bytes and one more kernel. Two
+    rows are a matrix product (the weight read once). ``scripts/gpu_aot.py`` (H200, bf16,
+    batch 1): a SmolLM2-135M decode step names 282 MB instead of 424, a Llama-3.2-1B-shaped
+    one 2.51 GB instead of 2.76 (its weights: 2.47 GB). Elsewhere one plain product."""
+    dims = (((1,), (0,)), ((), ()))
+    if x2.shape[0] == 1 and jax.default_backend() == "gpu":
+        return jax.lax.dot_general(jnp.broadcast_to(x2, (2,) + x2.shape[1:]), w, dims)[:1]
+    return jax.lax.dot_general(x2, w, dims)
 
 
 class Llama(nnx.Module):

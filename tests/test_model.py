@@ -386,3 +386,31 @@ def test_hidden_states_of_several_layers_in_one_pass():
     for bad in ((4,), (-1,), (True,), "1"):
         with pytest.raises(ValueError, match="hidden-state index|return_hidden"):
             lm.apply(lm.params, toks[:, :4], lm.init_cache(2, 8), return_hidden=bad)
+
+
+def test_one_row_product_is_two_rows_on_a_gpu(monkeypatch):
+    """On a GPU backend ``_linear`` computes a one-row product as two equal rows (XLA's GPU
+    compiler would write a weight-sized array of products for some one-row shapes: see
+    ``models.llama._matmul``); the row is the plain product's, and several rows stay one
+    plain product. Traced here as on a GPU, run on the CPU."""
+    from specjax.models.llama import _linear
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 3, 32)), jnp.float32)
+    x1 = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32)
+    x3 = jnp.asarray(rng.standard_normal((1, 3, 64)), jnp.float32)
+    plain1, plain3 = _linear(x1, w, "xla"), _linear(x3, w, "xla")
+
+    def two_row_broadcasts(x):
+        jaxpr = jax.make_jaxpr(lambda x, w: _linear(x, w, "xla"))(x, w)
+        return sum(e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.shape[0] == 2
+                   for e in jaxpr.eqns)
+
+    assert two_row_broadcasts(x1) == 0  # the CPU: one plain product
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert two_row_broadcasts(x1) == 1 and two_row_broadcasts(x3) == 0
+    got1 = jax.jit(lambda x, w: _linear(x, w, "xla"))(x1, w)
+    got3 = jax.jit(lambda x, w: _linear(x, w, "xla"))(x3, w)
+    assert got1.shape == plain1.shape == (1, 1, 96)
+    np.testing.assert_allclose(np.asarray(got1), np.asarray(plain1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got3), np.asarray(plain3))
