@@ -636,6 +636,18 @@ def resolve_batch_hints(batch_hints: Optional[bool] = None) -> bool:
     return jax.default_backend() == "gpu"
 
 
+def skip_empty_rounds() -> bool:
+    """Whether a round in which no row drafted runs a 1-token step instead of the K+1-token
+    pass (for proposers that may draft nothing, e.g. prompt lookup): on the CPU only. There a
+    4-token pass costs ~1.4 one-token steps; on a GPU or TPU it costs about one (the weights
+    are read once either way: 1.00-1.06 on the H200 up to 8 tokens, BENCHMARKS.md), so the
+    test saves nothing there and its conditional costs copies of both KV caches (XLA copies
+    the caches a conditional's branches update: 54 MB twice a round for a Llama-3-8B shape
+    at batch 1, ``scripts/gpu_aot.py``) and, on a GPU, a host sync per round. Decided when
+    the program is traced; either way the same tokens."""
+    return jax.default_backend() == "cpu"
+
+
 class _Sharded:
     """Mixin: placement of inputs and constraints inside the trace for ``self.sharding``;
     the batch hints a call's programs are traced under."""
@@ -1718,9 +1730,10 @@ class SpeculativeEngine(_Sharded):
 
     def _score(self, target_params, state: DecodeState, x, nd, tcache):
         """The target's forward over [s[c-1], x_1..x_K] -> (logits [B, K+1, V], the proposer's hidden
-        states or None, cache). A round where no row drafted anything costs one 1-token step
-        instead; a proposer that always drafts K tokens (``always_drafts``) skips that
-        test, and with it the copies of the whole KV cache that a conditional costs."""
+        states or None, cache). On CPU a round where no row drafted anything costs one 1-token
+        step instead; a proposer that always drafts K tokens (``always_drafts``) skips that
+        test, and with it the copies of the whole KV cache that a conditional costs, and so
+        does every proposer off the CPU (:func:`skip_empty_rounds`)."""
         tgt = self.target
         want_hidden = hidden_request(self.proposer)
         b, k = x.shape
@@ -1737,7 +1750,7 @@ class SpeculativeEngine(_Sharded):
             hd = None if o.hidden is None else jnp.broadcast_to(o.hidden, (b, k + 1) + o.hidden.shape[2:])
             return jnp.broadcast_to(o.logits, (b, k + 1, v)), hd, o.cache
 
-        if self.proposer.always_drafts:
+        if self.proposer.always_drafts or not skip_empty_rounds():
             logits, hidden, tcache = score_full(None)
         else:
             logits, hidden, tcache = jax.lax.cond(jnp.any(nd > 0), score_full, score_one, None)

@@ -539,3 +539,25 @@ def test_engines_with_a_small_prefill_chunk_give_the_same_greedy_tokens():
         assert eng.generate(prompts, **kw).tokens == base
     with pytest.raises(ValueError, match="power of two"):
         engine.AutoregressiveEngine(tgt, prefill_chunk=24)
+
+
+def test_full_pass_off_the_cpu_changes_speed_only(target, monkeypatch):
+    """Prompt lookup drafts nothing where nothing matches; off the CPU the round still runs
+    the K+1-token pass (engine.skip_empty_rounds): no conditional, the same tokens and
+    statistics as the 1-token step the CPU runs there."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 6], [7, 7, 7, 7]]
+    cfg = sampling.SamplingParams.create(3, temperature=[0.0, 1.0, 0.7])
+    outs, cases = [], []
+    for skip in (True, False):
+        monkeypatch.setattr(engine, "skip_empty_rounds", lambda skip=skip: skip)
+        eng = engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=V, k=3), "token")
+        outs.append(eng.generate(prompts, seed=4, sampling_params=cfg, max_new_tokens=20))
+        cases.append(eng.lower(prompts, seed=4, sampling_params=cfg, max_new_tokens=20)
+                     .as_text().count("stablehlo.case"))
+    assert cases[1] == cases[0] - 1
+    assert outs[0].tokens == outs[1].tokens
+    # (repr: the per-position acceptance of a position never reached is nan in both)
+    stats = [[repr(dataclasses.asdict(s)) for s in o.stats] for o in outs]
+    assert stats[0] == stats[1]
+    drafted = [s.drafted for s in outs[0].stats]
+    assert min(drafted) < 3 * min(s.rounds for s in outs[0].stats) and max(drafted) > 0  # both kinds of round
