@@ -102,19 +102,20 @@ def abstract_on(tree, device):
                         if hasattr(a, "shape") else a, tree)
 
 
-def build_target(spec: str, dtype: str):
+def build_target(spec: str, dtype: str, scan_layers: bool = False):
     """(target, draft or "lookup", name): the GGUF's SmolLM2 with the shipped EAGLE head, or
     a preset's shape with abstract (unallocated) weights and prompt lookup."""
     from specjax.build import abstract_model, load_target, resolve_draft
 
     if spec == "default":
-        target, _, _ = load_target("default", param_dtype=dtype, with_tokenizer=False)
+        target, _, _ = load_target("default", param_dtype=dtype, with_tokenizer=False,
+                                   scan_layers=scan_layers)
         draft, _ = resolve_draft("default", target)
         return target, draft, target.config.name
     from specjax.models import LlamaLM
     from specjax.models.config import load_preset
 
-    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, scan_layers=False)
+    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, scan_layers=scan_layers)
     graphdef, state = abstract_model(pre.config)
     return LlamaLM(pre.config, graphdef, state), "lookup", pre.name
 
@@ -181,6 +182,8 @@ def _parser():
                     help="'default' (SmolLM2-135M + the shipped EAGLE head) or a model preset "
                          "(e.g. llama3-8b-shape: abstract weights, prompt lookup)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="layers in a scan (as on TPU) instead of unrolled (the GPU default)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--ks", default="1,3", help="fixed K of the speculative engines ('' for none)")
     ap.add_argument("--auto", action="store_true", help="also k=auto")
@@ -217,8 +220,8 @@ def main(argv=None) -> int:
     results = []
     hints = {"on": ["1"], "off": ["0"], "both": ["0", "1"]}[a.hints]
     with traced_as_gpu():
-        target, draft, name = build_target(a.target, a.dtype)
-        print(f"# {name} ({a.dtype}) on {CHIPS[a.chip]['name']} (compile-only), "
+        target, draft, name = build_target(a.target, a.dtype, a.scan_layers)
+        print(f"# {name} ({a.dtype}, {'scanned' if a.scan_layers else 'unrolled'}) on {CHIPS[a.chip]['name']} (compile-only), "
               f"prompt {a.prompt_len} tokens, {a.max_new_tokens} new", flush=True)
         rng = np.random.default_rng(0)
         engines = [("autoregressive", lambda: make_autoregressive_engine(target))]
