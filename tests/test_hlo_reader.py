@@ -1,12 +1,12 @@
 """scripts/bench/hlo.py: kernels, host syncs and bytes per loop iteration of compiled HLO
-(what scripts/gpu_aot.py reports for a GPU), on a hand-written module whose counts are
+(what scripts/accel_aot.py reports for a GPU or TPU), on a hand-written module whose counts are
 known and on programs XLA compiles here."""
 import jax
 import jax.numpy as jnp
 import pytest
 
 from scripts.bench import hlo
-from scripts import gpu_aot
+from scripts import accel_aot
 
 # A decode-like loop: each iteration reads one row of a cache (a slice), runs an inner loop
 # of 4 known trips (2 kernels each), a data-dependent conditional (2 kernels or none) and
@@ -163,15 +163,28 @@ def test_a_program_xla_compiles_here():
 
 
 def test_gpu_target_config_names_the_chip():
-    text = gpu_aot.target_config("h200")
+    text = accel_aot.target_config("h200")
     assert "memory_bandwidth: 4800000000000" in text and "major: 9" in text
     assert 'device_description_str: "NVIDIA H200 141GB HBM3e"' in text
 
 
-def test_gpu_aot_rejects_bad_lists_before_work(capsys):
+def test_accel_aot_rejects_bad_lists_before_work(capsys):
     with pytest.raises(SystemExit) as e:
-        gpu_aot.main(["--batches", "0"])
+        accel_aot.main(["--batches", "0"])
     assert "must be >= 1" in str(e.value.code)
     with pytest.raises(SystemExit) as e:
-        gpu_aot.main(["--ks", "x"])
+        accel_aot.main(["--ks", "x"])
     assert "bad list" in str(e.value.code)
+
+
+def test_trip_counts_read_off_unannotated_loops():
+    """XLA:TPU writes no trip counts: ``i < N`` on a counter that starts at 0 and that the
+    body moves on gives N; a counter the body passes through gives none."""
+    text = MODULE.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+    assert "known_trip_count" not in text
+    outer, inner = hlo.loops(hlo.parse(text))
+    assert (inner.trip_count, outer.trip_count) == (4, None)
+    assert outer.per_iteration.kernels == 13
+    # a counter that starts elsewhere is no trip count either
+    shifted = text.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(1)")
+    assert hlo.loops(hlo.parse(shifted))[1].trip_count is None

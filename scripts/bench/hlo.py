@@ -68,6 +68,11 @@ class Instr:
         return int(m.group(1)) if m else None
 
     @property
+    def estimated_cycles(self) -> int:
+        m = re.search(r'"estimated_cycles":"(\d+)"', self.rest)
+        return int(m.group(1)) if m else 0
+
+    @property
     def frame(self) -> Optional[int]:
         m = re.search(r"stack_frame_id=(\d+)", self.rest)
         return int(m.group(1)) if m else None
@@ -195,6 +200,7 @@ class Tally:
     kernels: int = 0
     syncs: int = 0
     bytes: int = 0
+    cycles: int = 0  # the compiler's own estimate where it writes one (XLA:TPU)
     copies: int = 0
     copy_bytes: int = 0
     by_source: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -203,6 +209,7 @@ class Tally:
     def add(self, other: "Tally", times: int = 1) -> None:
         self.kernels += times * other.kernels
         self.syncs += times * other.syncs
+        self.cycles += times * other.cycles
         self.bytes += times * other.bytes
         self.copies += times * other.copies
         self.copy_bytes += times * other.copy_bytes
@@ -298,6 +305,50 @@ def kernel_bytes(mod: Module, ins: Instr, shapes: dict) -> int:
         _param_read(mod, comp, j, full) for j, full in enumerate(operands))
 
 
+def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
+    """The trip count of ``while`` instruction ``ins`` (in computation ``comp``): XLA's
+    annotation (GPU, CPU), else read off the loop (XLA:TPU writes none): a condition
+    ``i < N`` on a tuple element that starts at the constant 0 (through copies)."""
+    if ins.trip_count is not None:
+        return ins.trip_count
+    cond = {i.name: i for i in mod.computations.get(ins.attr("condition").lstrip("%"), [])}
+    root = next((i for i in cond.values() if i.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.rest:
+        return None
+    a, b = (cond.get(o) for o in root.operands[:2])
+    if not (a and b and a.opcode == "get-tuple-element" and b.opcode == "constant"):
+        return None
+    n = re.match(r"\((-?\d+)\)", b.rest)
+    idx = re.search(r"index=(\d+)", a.rest)
+    here = {i.name: i for i in mod.computations.get(comp, [])}
+    init = here.get(ins.operands[0]) if ins.operands else None
+    if not (n and idx and init is not None and init.opcode == "tuple"):
+        return None
+    start = here.get(init.operands[int(idx.group(1))])
+    while start is not None and start.opcode == "copy":
+        start = here.get(start.operands[0])
+    if start is None or start.opcode != "constant" or not re.match(r"\(0\)", start.rest):
+        return None
+    # ... and that the body moves it on: element i of the body's result is computed from
+    # element i (an add, or a fusion of one), not passed through
+    body = {i.name: i for i in mod.computations.get(ins.attr("body").lstrip("%"), [])}
+    out = next((i for i in body.values() if i.root), None)
+    if out is None or out.opcode != "tuple" or len(out.operands) <= int(idx.group(1)):
+        return None
+    step = body.get(out.operands[int(idx.group(1))])
+
+    def is_counter(name):
+        i = body.get(name)
+        while i is not None and i.opcode == "copy":
+            i = body.get(i.operands[0])
+        return (i is not None and i.opcode == "get-tuple-element"
+                and re.search(rf"index={idx.group(1)}\b", i.rest) is not None)
+
+    if step is None or step.opcode not in ("add", "fusion") or not any(map(is_counter, step.operands)):
+        return None
+    return int(n.group(1))
+
+
 def tally(mod: Module, comp: str, _memo=None, branch=max) -> Tally:
     """Kernels, syncs and bytes of one pass over computation ``comp``; of a conditional's
     branches the one ``branch`` picks by kernels (``max``: the largest, ``min``: the
@@ -312,7 +363,7 @@ def tally(mod: Module, comp: str, _memo=None, branch=max) -> Tally:
             continue
         if ins.opcode == "while":
             body = tally(mod, ins.attr("body").lstrip("%"), memo, branch)
-            n = ins.trip_count
+            n = trip_count(mod, ins, comp)
             if n is not None:
                 t.add(body, n)
             else:  # one iteration, its predicate read on the host
@@ -333,6 +384,7 @@ def tally(mod: Module, comp: str, _memo=None, branch=max) -> Tally:
         b = kernel_bytes(mod, ins, shapes)
         t.kernels += 1
         t.bytes += b
+        t.cycles += ins.estimated_cycles
         t.by_source[mod.source(ins)] += 1
         t.by_kind[kind_of(ins)] += 1
         if ins.opcode == "copy" or (ins.opcode == "fusion" and ins.name.startswith("copy")):
@@ -361,10 +413,10 @@ def loops(mod: Module) -> list[Loop]:
     """Every ``while`` reachable from the entry (outermost first), with one iteration's tally."""
     out, memos = [], {max: {}, min: {}}
 
-    def iteration(ins, branch):
+    def iteration(ins, comp, branch):
         it = Tally()
         it.add(tally(mod, ins.attr("body").lstrip("%"), memos[branch], branch))
-        if ins.trip_count is None:
+        if trip_count(mod, ins, comp) is None:
             it.add(tally(mod, ins.attr("condition").lstrip("%"), memos[branch], branch))
             it.syncs += 1
         return it
@@ -372,8 +424,8 @@ def loops(mod: Module) -> list[Loop]:
     def walk(comp, depth, seen):
         for ins in mod.computations.get(comp, []):
             if ins.opcode == "while":
-                out.append(Loop(ins.name, comp, depth, ins.trip_count, iteration(ins, max),
-                                iteration(ins, min), mod.source(ins)))
+                out.append(Loop(ins.name, comp, depth, trip_count(mod, ins, comp),
+                                iteration(ins, comp, max), iteration(ins, comp, min), mod.source(ins)))
             if ins.opcode in ("while", "conditional", "call"):
                 for c in ins.called():
                     if c not in seen:
