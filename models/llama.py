@@ -1023,7 +1023,7 @@ def _matmul(x2, w):
     and a reduction, and where the output is narrow (SmolLM2's o and down projections,
     Llama-3.2-1B's o projection) it first writes the transposed products, a weight-sized
     array, and reads them back: three times the weight's bytes and one more kernel. Two
-    rows are a matrix product (the weight read once). ``scripts/gpu_aot.py`` (H200, bf16,
+    rows are a matrix product (the weight read once). ``scripts/accel_aot.py`` (H200, bf16,
     batch 1): a SmolLM2-135M decode step names 282 MB instead of 424, a Llama-3.2-1B-shaped
     one 2.51 GB instead of 2.76 (its weights: 2.47 GB). Elsewhere one plain product."""
     dims = (((1,), (0,)), ((), ()))

@@ -1,95 +1,122 @@
-"""Compile the engines' programs for an NVIDIA GPU on a machine without one, and read
-what a decode step and a speculative round launch there.
+"""Compile the engines' programs for an accelerator on a machine without one (an NVIDIA
+H100/H200 or a Cloud TPU), and read what a decode step and a speculative round cost there.
 
-    pip install --no-deps jax-cuda12-plugin==$(python -c "import jax; print(jax.__version__)") \\
-        jax-cuda12-pjrt==$(python -c "import jax; print(jax.__version__)")   # in a venv of its own
-    python scripts/gpu_aot.py [--chip h200] [--target default] [--batches 1,16] [--ks 1,3]
+    # GPU: JAX's CUDA plugin, in a venv of its own (V = the installed jax version)
+    pip install --no-deps jax-cuda12-plugin==$V jax-cuda12-pjrt==$V
+    python scripts/accel_aot.py --chip h200 [--target default] [--batches 1,16] [--ks 1,3]
+    # TPU: libtpu (the version jax[tpu]==$V names), likewise
+    pip install --no-deps "libtpu==0.0.42.*"
+    python scripts/accel_aot.py --chip v5e --target llama3-1b-shape
 
-XLA's GPU compiler runs here without a device: the CUDA plugin compiles for a described
-chip (``jax.experimental.topologies``, no driver needed), the programs are traced as on a
-GPU (``jax.default_backend()`` reads "gpu" while they are built: unrolled layers, XLA's
-own matmuls, batch hints, one-kernel reductions), and the optimized HLO is read with
-``scripts/bench/hlo.py``: per iteration of the decode loop, the kernels launched, the host
-syncs (a ``conditional`` or a ``while`` without a known trip count each copy a predicate to
-the host and wait), the bytes the kernels name, copies, and the source of the kernels.
+XLA's compiler for the chip runs here without a device (``jax.experimental.topologies``:
+compile-only devices, no driver), the models and programs are traced as on that backend
+(``jax.default_backend()`` reads "gpu" or "tpu" while they are built: layer mode, XLA's own
+matmuls, batch hints, reductions), and the optimized HLO is read with ``scripts/bench/hlo.py``:
+per iteration of the decode loop, the operations that run as their own kernel, the host
+syncs on a GPU (a ``conditional`` or a ``while`` without a known trip count each copy a
+predicate to the host and wait; a TPU runs its control flow on the chip), the bytes the
+kernels move, copies, the source of the kernels, and on a TPU the compiler's own estimate
+of the cycles.
 
-Not a timing: XLA cannot autotune without the device (matmuls keep their default
+Not a timing: XLA cannot autotune without the device (GPU matmuls keep their default
 configurations), may run runs of kernels as one CUDA graph, and a library call may launch
-more than one kernel. What it shows for sure is the program's structure on a GPU: how
-many launches and syncs a round costs against a step, and what the bytes are.
+more than one kernel. What it shows for sure is the program's structure on the chip: how
+many kernels and syncs a round costs against a step, and what the bytes are.
 """
 from __future__ import annotations
-
-import os
 
 import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# chips as XLA's GPU compiler sees them (stream_executor.GpuTargetConfigProto): what it
-# reads to choose fusions, tiles and launch shapes. Public figures of the SXM parts.
-CHIPS = {
-    "h100": dict(name="NVIDIA H100 80GB HBM3", memory_bandwidth=3_352_320_000_000,
-                 device_memory_size=84_942_979_072),
-    "h200": dict(name="NVIDIA H200 141GB HBM3e", memory_bandwidth=4_800_000_000_000,
-                 device_memory_size=151_397_597_184),
-}
+# NVIDIA chips as XLA's GPU compiler sees them (stream_executor.GpuTargetConfigProto): what
+# it reads to choose fusions, tiles and launch shapes. Public figures of the SXM parts.
 _HOPPER = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
                shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132,
                fpus_per_core=128, block_dim_limit_x=2147483647, block_dim_limit_y=65535,
                block_dim_limit_z=65535, l2_cache_size=52428800, clock_rate_ghz=1.98,
                shared_memory_per_block_optin=232448, registers_per_core_limit=65536,
                registers_per_block_limit=65536)
+CHIPS = {
+    "h100": dict(platform="gpu", name="NVIDIA H100 80GB HBM3", memory_bandwidth=3_352_320_000_000,
+                 device_memory_size=84_942_979_072),
+    "h200": dict(platform="gpu", name="NVIDIA H200 141GB HBM3e", memory_bandwidth=4_800_000_000_000,
+                 device_memory_size=151_397_597_184),
+    # TPUs: libtpu's topology name and accelerator type (one chip of the smallest slice is
+    # compiled for) and the public HBM bandwidth per chip
+    "v4": dict(platform="tpu", name="TPU v4", topology="v4:2x2x1", accelerator="v4-8",
+               memory_bandwidth=1_200_000_000_000),
+    "v5e": dict(platform="tpu", name="TPU v5e", topology="v5e:2x2", accelerator="v5litepod-4",
+                memory_bandwidth=819_000_000_000),
+    "v5p": dict(platform="tpu", name="TPU v5p", topology="v5p:2x2x1", accelerator="v5p-8",
+                memory_bandwidth=2_765_000_000_000),
+    "v6e": dict(platform="tpu", name="TPU v6e", topology="v6e:2x2", accelerator="v6e-4",
+                memory_bandwidth=1_640_000_000_000),
+}
+_GPU_FIELDS = ("name", "memory_bandwidth", "device_memory_size")
 
 
 def target_config(chip: str) -> str:
-    """The text of a GpuTargetConfigProto for ``chip`` (compute capability 9.0)."""
-    c = {**_HOPPER, **CHIPS[chip]}
+    """The text of a GpuTargetConfigProto for GPU ``chip`` (compute capability 9.0)."""
+    c = {**_HOPPER, **{k: CHIPS[chip][k] for k in _GPU_FIELDS}}
     fields = "\n".join(f"  {k}: {json.dumps(v) if isinstance(v, str) else v}" for k, v in c.items())
     return ("gpu_device_info {\n" + fields + "\n  cuda_compute_capability { major: 9 minor: 0 }\n}\n"
             'platform_name: "CUDA"\ndnn_version_info { major: 9 minor: 1 patch: 0 }\n'
             f'device_description_str: "{c["name"]}"\n')
 
 
-def _aot_env() -> None:
-    """Before JAX starts its backends (it is imported lazily here): the CUDA plugin only
-    compiles, nothing runs on a GPU, and there is no CUDA runtime whose version to check."""
+def _aot_env(chip: str = "h200") -> None:
+    """Before JAX starts its backends (it is imported lazily here): nothing runs on the
+    accelerator, there is no CUDA runtime whose version to check, and libtpu is told which
+    TPU it is for instead of asking the (absent) metadata server."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if CHIPS[chip]["platform"] == "tpu":
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ["TPU_ACCELERATOR_TYPE"] = CHIPS[chip]["accelerator"]
 
 
-def gpu_device(chip: str):
-    """A compile-only CUDA device for ``chip``; SystemExit(2) with the reason if the CUDA
-    plugin is missing or cannot describe one."""
-    _aot_env()
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        import jax
+def compile_device(chip: str):
+    """A compile-only device of ``chip``; SystemExit(2) with the reason if its compiler
+    (JAX's CUDA plugin, libtpu) is missing or cannot describe one."""
+    _aot_env(chip)
+    import jax
 
-        v = jax.__version__
+    v = jax.__version__
+    tpu = CHIPS[chip]["platform"] == "tpu"
+    if tpu and importlib.util.find_spec("libtpu") is None:
+        raise SystemExit('error: libtpu is not installed: pip install --no-deps "libtpu==<the version '
+                         f'jax[tpu]=={v} names>"')
+    if not tpu and importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         raise SystemExit(f"error: the CUDA plugin is not installed: pip install --no-deps "
                          f"jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}")
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc("aot", "cuda", target_config=target_config(chip),
-                                            topology="1x1x1")
+        if tpu:
+            topo = topologies.get_topology_desc(CHIPS[chip]["topology"], "tpu")
+        else:
+            topo = topologies.get_topology_desc("aot", "cuda", target_config=target_config(chip),
+                                                topology="1x1x1")
     except Exception as e:  # noqa: BLE001 - one line, whatever the plugin raised
-        raise SystemExit(f"error: no compile-only CUDA device: {str(e).splitlines()[0]}")
+        raise SystemExit(f"error: no compile-only {chip} device: {str(e).splitlines()[0]}")
     return topo.devices[0]
 
 
 @contextlib.contextmanager
-def traced_as_gpu():
-    """Build and trace the models and programs as they are on a GPU backend."""
+def traced_as(platform: str):
+    """Build and trace the models and programs as they are on a ``platform`` backend."""
     import jax
 
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+    with mock.patch.object(jax, "default_backend", lambda: platform):
         yield
 
 
@@ -102,7 +129,7 @@ def abstract_on(tree, device):
                         if hasattr(a, "shape") else a, tree)
 
 
-def build_target(spec: str, dtype: str, scan_layers: bool = False):
+def build_target(spec: str, dtype: str, scan_layers="auto"):
     """(target, draft or "lookup", name): the GGUF's SmolLM2 with the shipped EAGLE head, or
     a preset's shape with abstract (unallocated) weights and prompt lookup."""
     from specjax.build import abstract_model, load_target, resolve_draft
@@ -115,7 +142,8 @@ def build_target(spec: str, dtype: str, scan_layers: bool = False):
     from specjax.models import LlamaLM
     from specjax.models.config import load_preset
 
-    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, scan_layers=scan_layers)
+    layers = {} if scan_layers == "auto" else dict(scan_layers=scan_layers)  # the preset's own
+    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, **layers)
     graphdef, state = abstract_model(pre.config)
     return LlamaLM(pre.config, graphdef, state), "lookup", pre.name
 
@@ -131,8 +159,9 @@ def compile_program(eng, device, prompts, **kw):
     return exe, time.perf_counter() - t0
 
 
-def read(exe, bandwidth: float, top: int) -> dict:
-    """The loops of a compiled program (the decode loop first), as a dict for the report."""
+def read(exe, bandwidth: float, top: int) -> tuple[dict, str]:
+    """The loops of a compiled program (the decode loop first) as a dict for the report,
+    and the program's text."""
     from scripts.bench import hlo
 
     text = exe.as_text()
@@ -143,13 +172,14 @@ def read(exe, bandwidth: float, top: int) -> dict:
                loops=[dict(name=x.name, depth=x.depth, trip_count=x.trip_count,
                            kernels=x.per_iteration.kernels, kernels_least=x.least.kernels,
                            syncs=x.per_iteration.syncs, syncs_least=x.least.syncs,
-                           bytes=x.per_iteration.bytes)
+                           bytes=x.per_iteration.bytes, cycles=x.per_iteration.cycles)
                       for x in hlo.loops(mod)])
     if lp is not None:
         t = lp.per_iteration
         out.update(kernels=t.kernels, kernels_least=lp.least.kernels, syncs=t.syncs,
                    syncs_least=lp.least.syncs, bytes=t.bytes, copies=t.copies,
                    copy_bytes=t.copy_bytes, roofline_us=1e6 * t.bytes / bandwidth,
+                   cycles=t.cycles, cycles_least=lp.least.cycles,
                    by_kind=dict(t.by_kind.most_common()),
                    by_source=dict(t.by_source.most_common(top)))
     return out, text
@@ -159,18 +189,20 @@ def _range(lo, hi) -> str:
     return f"{hi}" if lo == hi else f"{lo}-{hi}"
 
 
-def print_result(r: dict) -> None:
+def print_result(r: dict, platform: str) -> None:
+    tpu = platform == "tpu"
+    cost = (f"{_range(r.get('cycles_least'), r.get('cycles'))} estimated cycles" if tpu else
+            f"{_range(r.get('syncs_least'), r.get('syncs'))} syncs")
     print(f"{r['engine']:>14} b={r['batch']:<3} T={r['temperature']:g} hints={int(r['hints'])}: "
-          f"{_range(r.get('kernels_least'), r.get('kernels'))} kernels, "
-          f"{_range(r.get('syncs_least'), r.get('syncs'))} syncs per iteration, "
-          f"{r.get('bytes', 0) / 1e6:.1f} MB ({r.get('roofline_us', 0):.0f} us at the roof), copies "
-          f"{r.get('copies')} ({r.get('copy_bytes', 0) / 1e6:.2f} MB); temp {r['temp_bytes'] / 1e6:.1f} MB "
-          f"[compiled in {r['compile_s']:.0f} s]")
+          f"{_range(r.get('kernels_least'), r.get('kernels'))} {'ops' if tpu else 'kernels'}, {cost} "
+          f"per iteration, {r.get('bytes', 0) / 1e6:.1f} MB ({r.get('roofline_us', 0):.0f} us at the roof), "
+          f"copies {r.get('copies')} ({r.get('copy_bytes', 0) / 1e6:.2f} MB); temp "
+          f"{r['temp_bytes'] / 1e6:.1f} MB [compiled in {r['compile_s']:.0f} s]")
     for lp in r["loops"][1:] if len(r["loops"]) > 1 else []:
         trips = "?" if lp["trip_count"] is None else lp["trip_count"]
+        extra = f"{lp['cycles']} cycles" if tpu else f"{_range(lp['syncs_least'], lp['syncs'])} syncs"
         print(f"{'':16}loop {lp['name']} (depth {lp['depth']}, {trips} trips): "
-              f"{_range(lp['kernels_least'], lp['kernels'])} kernels, "
-              f"{_range(lp['syncs_least'], lp['syncs'])} syncs per iteration")
+              f"{_range(lp['kernels_least'], lp['kernels'])} {'ops' if tpu else 'kernels'}, {extra} per iteration")
     print(f"{'':16}kinds: " + ", ".join(f"{k} {v}" for k, v in r.get("by_kind", {}).items()))
     print(f"{'':16}from: " + ", ".join(f"{k} {v}" for k, v in r.get("by_source", {}).items()), flush=True)
 
@@ -182,15 +214,15 @@ def _parser():
                     help="'default' (SmolLM2-135M + the shipped EAGLE head) or a model preset "
                          "(e.g. llama3-8b-shape: abstract weights, prompt lookup)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--scan-layers", action="store_true",
-                    help="layers in a scan (as on TPU) instead of unrolled (the GPU default)")
+    ap.add_argument("--layers", default="auto", choices=["auto", "scan", "unroll"],
+                    help="layer mode (auto: what the library picks on the chip's backend)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--ks", default="1,3", help="fixed K of the speculative engines ('' for none)")
     ap.add_argument("--auto", action="store_true", help="also k=auto")
     ap.add_argument("--tree", action="store_true", help="also the default draft tree (method 'tree')")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--hints", default="on", choices=["on", "off", "both"],
-                    help="batch hints (the GPU default is on)")
+    ap.add_argument("--hints", default="auto", choices=["auto", "on", "off", "both"],
+                    help="batch hints (auto: the backend's default, on for a GPU)")
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=12, help="sources listed per program")
@@ -200,7 +232,6 @@ def _parser():
 
 
 def main(argv=None) -> int:
-    _aot_env()
     a = _parser().parse_args(argv)
     try:
         batches = [int(x) for x in a.batches.split(",")]
@@ -210,18 +241,22 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: bad list: {e}")
     if any(b < 1 for b in batches) or any(k < 1 for k in ks):
         raise SystemExit("error: batches and K must be >= 1")
-    device = gpu_device(a.chip)
-    bw = CHIPS[a.chip]["memory_bandwidth"]
+    chip = CHIPS[a.chip]
+    device = compile_device(a.chip)
     import numpy as np
 
     from specjax import sampling
     from specjax.build import make_autoregressive_engine, make_engine
+    from specjax.engine import resolve_batch_hints
 
     results = []
-    hints = {"on": ["1"], "off": ["0"], "both": ["0", "1"]}[a.hints]
-    with traced_as_gpu():
-        target, draft, name = build_target(a.target, a.dtype, a.scan_layers)
-        print(f"# {name} ({a.dtype}, {'scanned' if a.scan_layers else 'unrolled'}) on {CHIPS[a.chip]['name']} (compile-only), "
+    layers = {"auto": "auto", "scan": True, "unroll": False}[a.layers]
+    with traced_as(chip["platform"]):
+        hints = {"auto": ["1" if resolve_batch_hints(None) else "0"], "on": ["1"], "off": ["0"],
+                 "both": ["0", "1"]}[a.hints]
+        target, draft, name = build_target(a.target, a.dtype, layers)
+        mode = "scanned" if target.config.scan_layers else "unrolled"
+        print(f"# {name} ({a.dtype}, {mode} layers) on {chip['name']} (compile-only), "
               f"prompt {a.prompt_len} tokens, {a.max_new_tokens} new", flush=True)
         rng = np.random.default_rng(0)
         engines = [("autoregressive", lambda: make_autoregressive_engine(target))]
@@ -241,11 +276,11 @@ def main(argv=None) -> int:
                         eng = make()
                         exe, secs = compile_program(eng, device, prompts, seed=0, sampling_params=sp,
                                                     max_new_tokens=a.max_new_tokens)
-                        info, text = read(exe, bw, a.top)
+                        info, text = read(exe, chip["memory_bandwidth"], a.top)
                         r = dict(engine=label, batch=b, temperature=t, hints=h == "1",
                                  compile_s=round(secs, 1), **info)
                         results.append(r)
-                        print_result(r)
+                        print_result(r, chip["platform"])
                         if a.hlo_dir:
                             os.makedirs(a.hlo_dir, exist_ok=True)
                             fn = f"{label.replace('=', '')}_b{b}_t{t:g}_h{h}.hlo"
@@ -253,7 +288,8 @@ def main(argv=None) -> int:
                                 f.write(text)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, results=results), f, indent=1)
+            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, results=results), f,
+                      indent=1)
     return 0
 
 
