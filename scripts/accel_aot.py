@@ -209,7 +209,9 @@ def print_result(r: dict, platform: str) -> None:
 
 def _parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chip", choices=sorted(CHIPS), default="h200")
+    ap.add_argument("--chip", choices=sorted(CHIPS) + ["local"], default="h200",
+                    help="the chip to compile for ('local': this machine's first device, compiled "
+                         "as it runs, autotuned)")
     ap.add_argument("--target", default="default",
                     help="'default' (SmolLM2-135M + the shipped EAGLE head) or a model preset "
                          "(e.g. llama3-8b-shape: abstract weights, prompt lookup)")
@@ -231,6 +233,20 @@ def _parser():
     return ap
 
 
+def local_chip():
+    """(the first local device, its entry of CHIPS or a stand-in): ``--chip local`` reads the
+    programs as this machine's accelerator compiles them (with autotuning), to check what the
+    compile-only reading says against the device's own compile and a profile."""
+    import jax
+
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", "") or ""
+    names = {"H200": "h200", "H100": "h100", "v5 lite": "v5e", "v6 lite": "v6e", "TPU v5": "v5p", "TPU v4": "v4"}
+    chip = next((CHIPS[c] for k, c in names.items() if k in kind), None)
+    return dev, dict(chip or dict(name=kind or dev.platform, memory_bandwidth=0),
+                     platform=dev.platform, name=f"{kind or dev.platform} (this machine)")
+
+
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     try:
@@ -241,8 +257,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: bad list: {e}")
     if any(b < 1 for b in batches) or any(k < 1 for k in ks):
         raise SystemExit("error: batches and K must be >= 1")
-    chip = CHIPS[a.chip]
-    device = compile_device(a.chip)
+    if a.chip == "local":
+        device, chip = local_chip()
+    else:
+        chip = CHIPS[a.chip]
+        device = compile_device(a.chip)
     import numpy as np
 
     from specjax import sampling
@@ -251,7 +270,8 @@ def main(argv=None) -> int:
 
     results = []
     layers = {"auto": "auto", "scan": True, "unroll": False}[a.layers]
-    with traced_as(chip["platform"]):
+    traced = contextlib.nullcontext() if a.chip == "local" else traced_as(chip["platform"])
+    with traced:
         hints = {"auto": ["1" if resolve_batch_hints(None) else "0"], "on": ["1"], "off": ["0"],
                  "both": ["0", "1"]}[a.hints]
         target, draft, name = build_target(a.target, a.dtype, layers)
@@ -276,7 +296,7 @@ def main(argv=None) -> int:
                         eng = make()
                         exe, secs = compile_program(eng, device, prompts, seed=0, sampling_params=sp,
                                                     max_new_tokens=a.max_new_tokens)
-                        info, text = read(exe, chip["memory_bandwidth"], a.top)
+                        info, text = read(exe, chip["memory_bandwidth"] or float("inf"), a.top)
                         r = dict(engine=label, batch=b, temperature=t, hints=h == "1",
                                  compile_s=round(secs, 1), **info)
                         results.append(r)

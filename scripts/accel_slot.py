@@ -3,7 +3,7 @@ BENCHMARKS.md needs, stage by stage, inside a time budget (a benchmark driver, n
 or, as a slot of its own, issue 18's EAGLE-3 training run (stages ``train`` and ``head``).
 
     python scripts/accel_slot.py --out "$OUT" --stages roofline,smollm --budget 420   # device call 1
-    python scripts/accel_slot.py --out "$OUT" --stages syncs,profile,spec,trees,peer --budget 300 # device call 2
+    python scripts/accel_slot.py --out "$OUT" --stages syncs,hlo,profile,spec,trees,peer --budget 300 # device call 2
     python scripts/accel_slot.py --smoke --out out/slot_smoke  # the same stages, toy sizes, CPU
 
 Stages (``--stages``, in this order; each is a subprocess with its own time limit, cut to
@@ -26,6 +26,10 @@ slot that ends early still returns what was measured):
   (the GPU default) and on with XLA's command buffers holding conditionals and while loops
   (``GRAPH_FLAGS``), then a profile of rounds with the hints: what the host syncs of a
   round's conditionals cost on this device (specjax.sampling.BatchHints);
+* ``hlo``: ``scripts/accel_aot.py --chip local``: the autoregressive, K=3 and tree programs
+  (batch 1, T 0 and 1, bf16) as this device compiles them, read like the compile-only
+  figures of BENCHMARKS.md (kernels, syncs and bytes per step and per round), to check
+  those against the device's own compile and the profiles;
 * ``trees``: ``scripts/benchmark.py --config trees`` with the chain (K = 3, 5) against
   large draft trees (top-8, 32 nodes at T = 0; the 44-node positional sampled tree at T = 1),
   batch 1;
@@ -78,6 +82,8 @@ def stages(smoke: bool) -> dict:
                         "--ks", "2", "--max-new", "8", "--repeats", "1"], 300)
         prof = [("round", [PY, "scripts/profile_round.py", "--model", "tiny", "--draft", "layers:1", "--k", "2",
                            "--prompts", "1", "--tokens", "8", "--no-hlo", "--out", "{out}/profile"], 300)]
+        hlo = [("hlo-local", [PY, "scripts/accel_aot.py", "--chip", "local", "--target", "tiny", "--batches", "1",
+                              "--ks", "2", "--temperatures", "0", "--json", "{out}/hlo_local.json"], 300)]
         trees = [("trees", [PY, "scripts/benchmark.py", "--config", "trees", "--num-prompts", "1", "--max-new-tokens",
                             "8", "--repeats", "1", "--ks", "2", "--tree-topk", "2", "--tree-nodes", "3",
                             "--tree-sampled-nodes", "3", "--no-markdown", "--no-plots", "--out", "{out}/trees"], 300)]
@@ -110,6 +116,8 @@ def stages(smoke: bool) -> dict:
         # back under profile/: where the round's time outside the models goes on this device)
         prof = [("round-k3-t0", [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "0", "--prompts", "2",
                                  "--tokens", "32", "--no-hlo", "--out", "{out}/profile"], 120)]
+        hlo = [("hlo-local", [PY, "scripts/accel_aot.py", "--chip", "local", "--batches", "1", "--ks", "3", "--tree",
+                              "--temperatures", "0,1", "--json", "{out}/hlo_local.json"], 120)]
         # issue 17 where a verify pass of tens of tokens costs about one step: the chain
         # against trees sized by their tokens per round (BENCHMARKS.md, "Tree shapes"):
         # top-8 trees of depth 3 / 5 with 32 nodes (T = 0), the 44-node positional tree
@@ -126,7 +134,7 @@ def stages(smoke: bool) -> dict:
         train = _train(["configs/train/eagle3_smollm2_gpu.yaml", "--time-budget", "420"], 460)
         head = _head([], ["--prompts", "40", "--max-new-tokens", "96"],
                      ["--num-prompts", "8", "--max-new-tokens", "128", "--ks", "3"], 90)
-    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "syncs": syncs, "trees": trees,
+    return {"roofline": big, "smollm": small, "profile": prof, "spec": spec, "syncs": syncs, "hlo": hlo, "trees": trees,
             "peer": peer, "train": train, "head": head}
 
 
@@ -215,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/slot")
     ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds for the stages of this call together (a device call may run 600 s at most)")
-    ap.add_argument("--stages", default="roofline,smollm,syncs,profile,spec,trees,peer")
+    ap.add_argument("--stages", default="roofline,smollm,syncs,hlo,profile,spec,trees,peer")
     ap.add_argument("--work", default=None,
                     help="where stages keep what a later call needs (the trained head; default: --out)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself on a CPU")
