@@ -81,6 +81,7 @@ def _aot_env(chip: str = "h200") -> None:
     if CHIPS[chip]["platform"] == "tpu":
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compile-only runs at once
         os.environ["TPU_ACCELERATOR_TYPE"] = CHIPS[chip]["accelerator"]
 
 
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from specjax import sampling
-    from specjax.build import make_autoregressive_engine, make_engine
+    from specjax.build import clear_engines, make_autoregressive_engine, make_engine
     from specjax.engine import resolve_batch_hints
 
     results = []
@@ -287,6 +288,7 @@ def main(argv=None) -> int:
             engines.append(("tree", lambda: make_engine(target, draft, method="tree")))
         for h in hints:
             os.environ["SPECJAX_BATCH_HINTS"] = h
+            clear_engines()  # an engine reads the switch when it is made
             for b in batches:
                 prompts = [list(map(int, rng.integers(3, target.vocab_size, a.prompt_len)))
                            for _ in range(b)]
