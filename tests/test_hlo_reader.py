@@ -188,3 +188,26 @@ def test_trip_counts_read_off_unannotated_loops():
     # a counter that starts elsewhere is no trip count either
     shifted = text.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(1)")
     assert hlo.loops(hlo.parse(shifted))[1].trip_count is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_programs_traced_for_a_gpu_sync_once_per_round(target, draft, monkeypatch, temperature):
+    """The programs as a GPU backend gets them (traced with ``jax.default_backend()`` reading
+    "gpu", compiled here): per iteration of the decode loop, one host sync (the loop's own
+    predicate) for a plain step, a chain round and a prompt-lookup round: batch hints
+    decide the sampling conds and ``engine.skip_empty_rounds`` drops the "nothing drafted"
+    one. On a GPU each conditional in a round is a predicate copied to the host."""
+    from specjax import engine, sampling
+    from specjax.drafts import DraftModelProposer, PromptLookupProposer
+
+    monkeypatch.delenv("SPECJAX_BATCH_HINTS", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = sampling.SamplingConfig(temperature=temperature)
+    engines = {"autoregressive": engine.AutoregressiveEngine(target),
+               "chain": engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token"),
+               "lookup": engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=8, k=3), "token")}
+    for name, eng in engines.items():
+        assert eng.batch_hints, name  # the GPU default
+        text = eng.lower([[1, 2, 3], [4, 5]], seed=0, sampling_params=cfg, max_new_tokens=8).compile().as_text()
+        lp = hlo.main_loop(hlo.parse(text))
+        assert lp.per_iteration.syncs == 1, (name, lp.per_iteration.syncs)
