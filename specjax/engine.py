@@ -642,8 +642,8 @@ def skip_empty_rounds() -> bool:
     4-token pass costs ~1.4 one-token steps; on a GPU or TPU it costs about one (the weights
     are read once either way: 1.00-1.06 on the H200 up to 8 tokens, BENCHMARKS.md), so the
     test saves nothing there and its conditional costs copies of both KV caches (XLA copies
-    the caches a conditional's branches update: 54 MB twice a round for a Llama-3-8B shape
-    at batch 1, ``scripts/accel_aot.py``) and, on a GPU, a host sync per round. Decided when
+    the caches a conditional's branches update: 54.5 MB a round for a Llama-3-8B shape at
+    batch 1, ``scripts/accel_aot.py``) and, on a GPU, a host sync per round. Decided when
     the program is traced; either way the same tokens."""
     return jax.default_backend() == "cpu"
 
