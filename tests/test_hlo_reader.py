@@ -27,7 +27,7 @@ FileLocations
 
 StackFrames
 1 {file_location_id=1 parent_frame_id=1}
-2 {file_location_id=2 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
 
 %fused_dus (p0: f32[8,16], p1: f32[1,16], p2: s32[]) -> f32[8,16] {
   %p1 = f32[1,16]{1,0} parameter(1)
@@ -185,9 +185,45 @@ def test_trip_counts_read_off_unannotated_loops():
     outer, inner = hlo.loops(hlo.parse(text))
     assert (inner.trip_count, outer.trip_count) == (4, None)
     assert outer.per_iteration.kernels == 13
-    # a counter that starts elsewhere is no trip count either
+    # a counter that starts elsewhere, or moves by another step, is no trip count either
     shifted = text.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(1)")
     assert hlo.loops(hlo.parse(shifted))[1].trip_count is None
+    by_two = text.replace("%one = s32[] constant(1)", "%one = s32[] constant(2)")
+    assert hlo.loops(hlo.parse(by_two))[1].trip_count is None
+    doubled = text.replace("%i2 = s32[] add(%i, %one)", "%i2 = s32[] add(%i, %i)")
+    assert hlo.loops(hlo.parse(doubled))[1].trip_count is None
+
+
+SMALL = """HloModule s
+
+%fused_fresh (f0: f32[1,16], f1: s32[]) -> f32[8,16] {
+  %f0 = f32[1,16]{1,0} parameter(0)
+  %f1 = s32[] parameter(1)
+  %z = f32[] constant(0)
+  %c = s32[] constant(0)
+  %b = f32[8,16]{1,0} broadcast(%z), dimensions={}
+  ROOT %d = f32[8,16]{1,0} dynamic-update-slice(%b, %f0, %f1, %c)
+}
+
+ENTRY %main (x: f32[2,4096], w: bf16[4096,14336], r: f32[1,16], k: s32[]) -> f32[8,16] {
+  %x = f32[2,4096]{1,0} parameter(0)
+  %w = bf16[4096,14336]{1,0} parameter(1)
+  %r = f32[1,16]{1,0} parameter(2)
+  %k = s32[] parameter(3)
+  %g = (bf16[2,14336]{1,0}, s8[33554432]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm"
+  ROOT %new = f32[8,16]{1,0} fusion(%r, %k), kind=kLoop, calls=%fused_fresh
+}
+"""
+
+
+def test_bytes_of_library_calls_and_fresh_updates():
+    mod = hlo.parse(SMALL)
+    ins = {i.name: i for i in mod.computations["main"]}
+    shapes = {i.name: i.shape for i in mod.computations["main"]}
+    # a cuBLAS gemm: its operands and result, not its workspace
+    assert hlo.kernel_bytes(mod, ins["g"], shapes) == 2 * 4096 * 4 + 4096 * 14336 * 2 + 2 * 14336 * 2
+    # an update of an array the fusion makes itself writes all of it
+    assert hlo.kernel_bytes(mod, ins["new"], shapes) == 8 * 16 * 4 + 64 + 4
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

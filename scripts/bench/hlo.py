@@ -115,7 +115,7 @@ def shape_bytes(shape: str) -> int:
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        total += n * _DTYPE_BYTES.get(dt, 4)
+        total += n * _DTYPE_BYTES.get(dt, 1 if dt.startswith("f8") else 4)
     return total
 
 
@@ -127,7 +127,8 @@ class Module:
 
     def source(self, ins: Instr, roots=("specjax", "models", "scripts")) -> str:
         """``file:function`` of the innermost frame of ``ins``'s stack whose file lies under
-        one of ``roots`` (the project's own code), else of the innermost frame."""
+        one of ``roots`` (the project's own code), else of the innermost frame. (XLA prints a
+        frame's ``parent_frame_id`` as the parent's id plus one: 1 means none.)"""
         fid, first = ins.frame, None
         seen = set()
         while fid and fid in self.frames and fid not in seen:
@@ -138,7 +139,7 @@ class Module:
             first = first or f"{short}:{fn}"
             if any(r in parts[:-1] for r in roots):
                 return f"{short}:{fn}"
-            fid = parent if parent != fid else None
+            fid = parent - 1
         return first or (ins.op_name.split("/")[-1] if ins.op_name else "?")
 
 
@@ -247,6 +248,7 @@ def _param_read(mod: Module, comp: str, index: int, full: int, depth: int = 0) -
                   and re.match(rf"\({index}\)", i.rest)), None)
     if param is None or depth > 4:
         return full
+    outputs = _outputs(instrs)
     names, total, frontier = {param}, 0, [param]
     while frontier:
         cur = frontier.pop()
@@ -259,8 +261,8 @@ def _param_read(mod: Module, comp: str, index: int, full: int, depth: int = 0) -
                 frontier.append(u.name)
             elif u.opcode in _SLICES and ops[0] == cur:
                 total += shape_bytes(u.shape)
-            elif u.opcode in ("dynamic-update-slice", "scatter") and ops[0] == cur:
-                pass  # updated in place: only the update is written
+            elif u.opcode in ("dynamic-update-slice", "scatter") and ops[0] == cur and u.name in outputs:
+                pass  # updated in place (the fusion's result): only the update is written
             elif u.opcode == "fusion":
                 called = u.called()
                 sub = called[0] if called else ""
@@ -270,6 +272,30 @@ def _param_read(mod: Module, comp: str, index: int, full: int, depth: int = 0) -
             else:
                 return full
     return min(total, full)
+
+
+def _outputs(instrs: list) -> set:
+    """Names of what a computation returns: its root, the elements of a root tuple, and
+    what those are views of."""
+    by = {i.name: i for i in instrs}
+    out, todo = set(), [i.name for i in instrs if i.root]
+    while todo:
+        n = todo.pop()
+        if n in out or n not in by:
+            continue
+        out.add(n)
+        i = by[n]
+        if i.opcode == "tuple" or (i.opcode in ("bitcast", "reshape") and i.operands):
+            todo += i.operands
+    return out
+
+
+def _from_parameter(instrs: dict, name: str) -> bool:
+    """Whether ``name`` is a parameter of the computation, through views."""
+    i = instrs.get(name)
+    while i is not None and i.opcode in ("bitcast", "reshape") and i.operands:
+        i = instrs.get(i.operands[0])
+    return i is not None and i.opcode == "parameter"
 
 
 def _written(mod: Module, comp: str, ins_shape: str) -> int:
@@ -285,9 +311,12 @@ def _written(mod: Module, comp: str, ins_shape: str) -> int:
             return sum(out(instrs[o]) if o in instrs else 0 for o in i.operands)
         if i.opcode in ("bitcast", "reshape") and i.operands and i.operands[0] in instrs:
             return out(instrs[i.operands[0]])
-        if i.opcode == "dynamic-update-slice" and len(i.operands) > 1 and i.operands[1] in instrs:
+        # in place only where the updated operand is one of the fusion's own inputs
+        if (i.opcode == "dynamic-update-slice" and len(i.operands) > 1 and i.operands[1] in instrs
+                and _from_parameter(instrs, i.operands[0])):
             return shape_bytes(instrs[i.operands[1]].shape)
-        if i.opcode == "scatter" and len(i.operands) == 3 and i.operands[2] in instrs:
+        if (i.opcode == "scatter" and len(i.operands) == 3 and i.operands[2] in instrs
+                and _from_parameter(instrs, i.operands[0])):
             return shape_bytes(instrs[i.operands[2]].shape)
         return shape_bytes(i.shape)
 
@@ -299,7 +328,11 @@ def kernel_bytes(mod: Module, ins: Instr, shapes: dict) -> int:
     it writes) and its operands (or the slices of them it reads)."""
     operands = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
     if ins.opcode != "fusion" or not ins.called():
-        return shape_bytes(ins.shape) + sum(operands)
+        out = shape_bytes(ins.shape)
+        if ins.opcode == "custom-call" and re.search(r"(?i)cublas|gemm", ins.custom_call_target):
+            ws = re.search(r", s8\[\d+\]\{0\}\)$", ins.shape)  # the library's workspace, not data
+            out -= shape_bytes(ws.group(0)) if ws else 0
+        return out + sum(operands)
     comp = ins.called()[0]
     return _written(mod, comp, ins.shape) + sum(
         _param_read(mod, comp, j, full) for j, full in enumerate(operands))
@@ -308,7 +341,8 @@ def kernel_bytes(mod: Module, ins: Instr, shapes: dict) -> int:
 def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
     """The trip count of ``while`` instruction ``ins`` (in computation ``comp``): XLA's
     annotation (GPU, CPU), else read off the loop (XLA:TPU writes none): a condition
-    ``i < N`` on a tuple element that starts at the constant 0 (through copies)."""
+    ``i < N`` on a tuple element that starts at the constant 0 (through copies) and that the
+    body moves on by ``i + 1``."""
     if ins.trip_count is not None:
         return ins.trip_count
     cond = {i.name: i for i in mod.computations.get(ins.attr("condition").lstrip("%"), [])}
@@ -344,9 +378,16 @@ def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
         return (i is not None and i.opcode == "get-tuple-element"
                 and re.search(rf"index={idx.group(1)}\b", i.rest) is not None)
 
-    if step is None or step.opcode not in ("add", "fusion") or not any(map(is_counter, step.operands)):
+    def is_one(name):
+        i = body.get(name)
+        return i is not None and i.opcode == "constant" and re.match(r"\(1\)", i.rest) is not None
+
+    if step is None or step.opcode != "add" or len(step.operands) != 2:
         return None
-    return int(n.group(1))
+    a, b = step.operands
+    if not ((is_counter(a) and is_one(b)) or (is_counter(b) and is_one(a))):
+        return None
+    return max(int(n.group(1)), 0)
 
 
 def tally(mod: Module, comp: str, _memo=None, branch=max) -> Tally:
