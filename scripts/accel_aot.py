@@ -277,7 +277,8 @@ def main(argv=None) -> int:
                  "both": ["0", "1"]}[a.hints]
         target, draft, name = build_target(a.target, a.dtype, layers)
         mode = "scanned" if target.config.scan_layers else "unrolled"
-        print(f"# {name} ({a.dtype}, {mode} layers) on {chip['name']} (compile-only), "
+        how = "" if a.chip == "local" else " (compile-only)"
+        print(f"# {name} ({a.dtype}, {mode} layers) on {chip['name']}{how}, "
               f"prompt {a.prompt_len} tokens, {a.max_new_tokens} new", flush=True)
         rng = np.random.default_rng(0)
         engines = [("autoregressive", lambda: make_autoregressive_engine(target))]
