@@ -3,7 +3,8 @@
 
 Counts, per iteration of each ``while`` loop, the operations that run as their own kernel
 on a GPU (fusions, library calls, copies, sorts, ...; a ``while`` with a known trip count
-counted that many times over, a ``conditional`` by its largest branch), the host syncs
+counted that many times over, a ``conditional`` by its largest or its smallest branch), the
+host syncs
 (XLA's GPU runtime copies the predicate of every ``conditional`` and of every ``while``
 without a known trip count to the host and waits for the stream before it goes on), the
 bytes the kernels name (operands + result: an upper bound on what they move) and where the
@@ -62,20 +63,22 @@ class Instr:
                 out += [c.lstrip("%") for c in re.findall(r"%?[\w.\-]+", v.strip("{}"))]
         return out
 
+    def _int(self, pattern: str, default=None):
+        m = re.search(pattern, self.rest)
+        return int(m.group(1)) if m else default
+
     @property
     def trip_count(self) -> Optional[int]:
-        m = re.search(r'"known_trip_count":\{"n":"(\d+)"', self.rest)
-        return int(m.group(1)) if m else None
+        """XLA's annotation of a ``while``'s trip count (GPU, CPU), if any."""
+        return self._int(r'"known_trip_count":\{"n":"(\d+)"')
 
     @property
     def estimated_cycles(self) -> int:
-        m = re.search(r'"estimated_cycles":"(\d+)"', self.rest)
-        return int(m.group(1)) if m else 0
+        return self._int(r'"estimated_cycles":"(\d+)"', 0)
 
     @property
     def frame(self) -> Optional[int]:
-        m = re.search(r"stack_frame_id=(\d+)", self.rest)
-        return int(m.group(1)) if m else None
+        return self._int(r"stack_frame_id=(\d+)")
 
     @property
     def op_name(self) -> str:
@@ -230,9 +233,14 @@ def kind_of(ins: Instr) -> str:
         return {"kLoop": "loop fusion", "kInput": "reduction fusion", "kOutput": "output fusion",
                 "kCustom": "custom fusion"}.get(k, "fusion")
     if ins.opcode == "custom-call":
-        t = ins.custom_call_target
-        return "gemm (cublas)" if "cublas" in t.lower() else f"custom-call {t}"
+        return "gemm (cublas)" if _library_gemm(ins) else f"custom-call {ins.custom_call_target}"
     return ins.opcode
+
+
+def _library_gemm(ins: Instr) -> bool:
+    """Whether ``ins`` is a call of cuBLAS / cuBLASLt's matmul (which returns a workspace
+    beside its result)."""
+    return ins.opcode == "custom-call" and "cublas" in ins.custom_call_target.lower()
 
 
 _SLICES = ("dynamic-slice", "slice", "gather")
@@ -249,7 +257,7 @@ def _param_read(mod: Module, comp: str, index: int, full: int, depth: int = 0) -
     if param is None or depth > 4:
         return full
     outputs = _outputs(instrs)
-    names, total, frontier = {param}, 0, [param]
+    total, frontier = 0, [param]
     while frontier:
         cur = frontier.pop()
         for u in instrs:
@@ -257,7 +265,6 @@ def _param_read(mod: Module, comp: str, index: int, full: int, depth: int = 0) -
             if cur not in ops:
                 continue
             if u.opcode in _VIEWS:
-                names.add(u.name)
                 frontier.append(u.name)
             elif u.opcode in _SLICES and ops[0] == cur:
                 total += shape_bytes(u.shape)
@@ -329,7 +336,7 @@ def kernel_bytes(mod: Module, ins: Instr, shapes: dict) -> int:
     operands = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
     if ins.opcode != "fusion" or not ins.called():
         out = shape_bytes(ins.shape)
-        if ins.opcode == "custom-call" and re.search(r"(?i)cublas|gemm", ins.custom_call_target):
+        if _library_gemm(ins):
             ws = re.search(r", s8\[\d+\]\{0\}\)$", ins.shape)  # the library's workspace, not data
             out -= shape_bytes(ws.group(0)) if ws else 0
         return out + sum(operands)
@@ -363,8 +370,7 @@ def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
         start = here.get(start.operands[0])
     if start is None or start.opcode != "constant" or not re.match(r"\(0\)", start.rest):
         return None
-    # ... and that the body moves it on: element i of the body's result is computed from
-    # element i (an add, or a fusion of one), not passed through
+    # ... and that the body moves it on: element i of the body's result is element i + 1
     body = {i.name: i for i in mod.computations.get(ins.attr("body").lstrip("%"), [])}
     out = next((i for i in body.values() if i.root), None)
     if out is None or out.opcode != "tuple" or len(out.operands) <= int(idx.group(1)):
@@ -390,6 +396,17 @@ def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
     return max(int(n.group(1)), 0)
 
 
+def _iteration(mod: Module, ins: Instr, trips: Optional[int], memo: dict, branch) -> Tally:
+    """One iteration of ``while`` instruction ``ins``: its body, and where its trip count
+    is unknown (``trips`` None) its condition and the host sync that reads the predicate."""
+    it = Tally()
+    it.add(tally(mod, ins.attr("body").lstrip("%"), memo, branch))
+    if trips is None:
+        it.add(tally(mod, ins.attr("condition").lstrip("%"), memo, branch))
+        it.syncs += 1
+    return it
+
+
 def tally(mod: Module, comp: str, _memo=None, branch=max) -> Tally:
     """Kernels, syncs and bytes of one pass over computation ``comp``; of a conditional's
     branches the one ``branch`` picks by kernels (``max``: the largest, ``min``: the
@@ -403,14 +420,8 @@ def tally(mod: Module, comp: str, _memo=None, branch=max) -> Tally:
         if ins.opcode in FREE_OPS:
             continue
         if ins.opcode == "while":
-            body = tally(mod, ins.attr("body").lstrip("%"), memo, branch)
             n = trip_count(mod, ins, comp)
-            if n is not None:
-                t.add(body, n)
-            else:  # one iteration, its predicate read on the host
-                t.add(body)
-                t.add(tally(mod, ins.attr("condition").lstrip("%"), memo, branch))
-                t.syncs += 1
+            t.add(_iteration(mod, ins, n, memo, branch), 1 if n is None else n)
             continue
         if ins.opcode == "conditional":
             branches = [tally(mod, c, memo, branch) for c in ins.called()]
@@ -454,19 +465,12 @@ def loops(mod: Module) -> list[Loop]:
     """Every ``while`` reachable from the entry (outermost first), with one iteration's tally."""
     out, memos = [], {max: {}, min: {}}
 
-    def iteration(ins, comp, branch):
-        it = Tally()
-        it.add(tally(mod, ins.attr("body").lstrip("%"), memos[branch], branch))
-        if trip_count(mod, ins, comp) is None:
-            it.add(tally(mod, ins.attr("condition").lstrip("%"), memos[branch], branch))
-            it.syncs += 1
-        return it
-
     def walk(comp, depth, seen):
         for ins in mod.computations.get(comp, []):
             if ins.opcode == "while":
-                out.append(Loop(ins.name, comp, depth, trip_count(mod, ins, comp),
-                                iteration(ins, comp, max), iteration(ins, comp, min), mod.source(ins)))
+                n = trip_count(mod, ins, comp)
+                out.append(Loop(ins.name, comp, depth, n, _iteration(mod, ins, n, memos[max], max),
+                                _iteration(mod, ins, n, memos[min], min), mod.source(ins)))
             if ins.opcode in ("while", "conditional", "call"):
                 for c in ins.called():
                     if c not in seen:
