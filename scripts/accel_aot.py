@@ -85,20 +85,26 @@ def _aot_env(chip: str = "h200") -> None:
         os.environ["TPU_ACCELERATOR_TYPE"] = CHIPS[chip]["accelerator"]
 
 
+def _fail(message: str):
+    """One line on stderr and exit status 2, before any work."""
+    print(f"accel_aot.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def compile_device(chip: str):
-    """A compile-only device of ``chip``; SystemExit(2) with the reason if its compiler
-    (JAX's CUDA plugin, libtpu) is missing or cannot describe one."""
+    """A compile-only device of ``chip``; exits 2 with the reason if its compiler (JAX's
+    CUDA plugin, libtpu) is missing or cannot describe one."""
     _aot_env(chip)
     import jax
 
     v = jax.__version__
     tpu = CHIPS[chip]["platform"] == "tpu"
     if tpu and importlib.util.find_spec("libtpu") is None:
-        raise SystemExit('error: libtpu is not installed: pip install --no-deps "libtpu==<the version '
-                         f'jax[tpu]=={v} names>"')
-    if not tpu and importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        raise SystemExit(f"error: the CUDA plugin is not installed: pip install --no-deps "
-                         f"jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}")
+        _fail(f'libtpu is not installed: pip install --no-deps "libtpu==<the version jax[tpu]=={v} names>"')
+    if not tpu and (importlib.util.find_spec("jax_plugins") is None
+                    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None):
+        _fail(f"the CUDA plugin is not installed: pip install --no-deps jax-cuda12-plugin=={v} "
+              f"jax-cuda12-pjrt=={v}")
     from jax.experimental import topologies
 
     try:
@@ -108,7 +114,7 @@ def compile_device(chip: str):
             topo = topologies.get_topology_desc("aot", "cuda", target_config=target_config(chip),
                                                 topology="1x1x1")
     except Exception as e:  # noqa: BLE001 - one line, whatever the plugin raised
-        raise SystemExit(f"error: no compile-only {chip} device: {str(e).splitlines()[0]}")
+        _fail(f"no compile-only {chip} device: {str(e).splitlines()[0]}")
     return topo.devices[0]
 
 
@@ -151,9 +157,9 @@ def build_target(spec: str, dtype: str, scan_layers="auto"):
 
 def compile_program(eng, device, prompts, **kw):
     """The compiled ``generate`` program of ``eng`` for these prompts and settings, for
-    ``device`` (its arguments made abstract); returns (compiled, seconds)."""
-    args, static = eng._call_args(eng.prepare(prompts, **kw), **(
-        {"greedy": kw.pop("greedy")} if "greedy" in kw else {}))
+    ``device`` (its arguments made abstract; else as ``eng.lower``); returns (compiled,
+    seconds)."""
+    args, static = eng._call_args(eng.prepare(prompts, **kw))
     t0 = time.perf_counter()
     with eng._context():
         exe = eng._run.lower(*abstract_on(args, device), **static).compile()
@@ -249,15 +255,16 @@ def local_chip():
 
 
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
+    ap = _parser()
+    a = ap.parse_args(argv)
     try:
         batches = [int(x) for x in a.batches.split(",")]
         ks = [int(x) for x in a.ks.split(",") if x.strip()]
         temps = [float(x) for x in a.temperatures.split(",")]
     except ValueError as e:
-        raise SystemExit(f"error: bad list: {e}")
+        ap.error(f"bad list: {e}")
     if any(b < 1 for b in batches) or any(k < 1 for k in ks):
-        raise SystemExit("error: batches and K must be >= 1")
+        ap.error("batches and K must be >= 1")
     if a.chip == "local":
         device, chip = local_chip()
     else:

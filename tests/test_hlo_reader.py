@@ -171,10 +171,10 @@ def test_gpu_target_config_names_the_chip():
 def test_accel_aot_rejects_bad_lists_before_work(capsys):
     with pytest.raises(SystemExit) as e:
         accel_aot.main(["--batches", "0"])
-    assert "must be >= 1" in str(e.value.code)
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         accel_aot.main(["--ks", "x"])
-    assert "bad list" in str(e.value.code)
+    assert e.value.code == 2 and "bad list" in capsys.readouterr().err
 
 
 def test_trip_counts_read_off_unannotated_loops():
@@ -247,3 +247,20 @@ def test_programs_traced_for_a_gpu_sync_once_per_round(target, draft, monkeypatc
         text = eng.lower([[1, 2, 3], [4, 5]], seed=0, sampling_params=cfg, max_new_tokens=8).compile().as_text()
         lp = hlo.main_loop(hlo.parse(text))
         assert lp.per_iteration.syncs == 1, (name, lp.per_iteration.syncs)
+
+
+def test_accel_aot_without_the_chips_compiler_exits_2(monkeypatch, capsys):
+    """Here (no CUDA plugin, no libtpu: not project dependencies) the script says what to
+    install, in one line, with exit status 2."""
+    import importlib.util
+    import os
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the script sets stays here
+    for chip, what in (("h200", "jax-cuda12-plugin=="), ("v5e", "libtpu==")):
+        if importlib.util.find_spec("libtpu" if chip == "v5e" else "jax_plugins") is not None:
+            continue  # a machine with that compiler
+        with pytest.raises(SystemExit) as e:
+            accel_aot.main(["--chip", chip, "--batches", "1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and what in err and len(err.strip().splitlines()) == 1, err
+
