@@ -226,6 +226,34 @@ def test_bytes_of_library_calls_and_fresh_updates():
     assert hlo.kernel_bytes(mod, ins["new"], shapes) == 8 * 16 * 4 + 64 + 4
 
 
+# XLA:TPU's asynchronous copies and slices: a start names its operand again in its result
+ASYNC = """HloModule a, is_scheduled=true
+
+ENTRY %main (w: bf16[8192,2048]) -> (bf16[2048,2048], bf16[8192,2048]) {
+  %w = bf16[8192,2048]{1,0:T(8,128)(2,1)} parameter(0)
+  %ss = ((bf16[8192,2048]{1,0:T(8,128)(2,1)}), bf16[2048,2048]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[2048:4096], [0:2048]}
+  %sd = bf16[2048,2048]{1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
+  %cs = (bf16[8192,2048]{1,0:T(8,128)(2,1)}, bf16[8192,2048]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
+  %cd = bf16[8192,2048]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
+  ROOT %t = (bf16[2048,2048]{1,0}, bf16[8192,2048]{1,0}) tuple(%sd, %cd)
+}
+"""
+
+
+def test_asynchronous_starts_count_their_data_once():
+    mod = hlo.parse(ASYNC)
+    ins = {i.name: i for i in mod.computations[mod.entry]}
+    shapes = {i.name: i.shape for i in mod.computations[mod.entry]}
+    assert hlo.tuple_elements(ins["ss"].shape)[1].startswith("bf16[2048,2048]{1,0:T(8,128)(2,1)S(1)}")
+    # a slice-start reads and writes its slice (plus a 4-byte context), not the whole weight
+    assert hlo.kernel_bytes(mod, ins["ss"], shapes) == 2 * (2048 * 2048 * 2 + 4)
+    # a copy-start reads the weight and writes its copy once
+    assert hlo.kernel_bytes(mod, ins["cs"], shapes) == 2 * 8192 * 2048 * 2 + 4
+    t = hlo.tally(mod, mod.entry)
+    assert t.kernels == 2  # the starts; the dones launch nothing
+    assert t.bytes == 2 * (2048 * 2048 * 2 + 4) + 2 * 8192 * 2048 * 2 + 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_programs_traced_for_a_gpu_sync_once_per_round(target, draft, monkeypatch, temperature):
     """The programs as a GPU backend gets them (traced with ``jax.default_backend()`` reading

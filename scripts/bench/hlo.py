@@ -24,7 +24,7 @@ from typing import Optional
 FREE_OPS = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "add-dependency", "opt-barrier", "partition-id", "replica-id", "domain",
-    "copy-done", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
+    "copy-done", "slice-done", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
     "collective-permute-done", "async-done", "async-update",
 })
 
@@ -109,6 +109,24 @@ def _split_shape(text: str) -> tuple[str, str]:
         return "(" + inner + ")", text[len(inner) + 2:].lstrip()
     shape, _, rest = text.partition(" ")
     return shape, rest
+
+
+def tuple_elements(shape: str) -> list:
+    """The top-level elements of a tuple shape (``"(a, (b, c), d)"`` -> ``["a", "(b, c)",
+    "d"]``); an array shape is its own one element."""
+    if not shape.startswith("("):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape[1:-1], 1):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(shape[start:i].strip())
+            start = i + 1
+    out.append(shape[start:-1].strip())
+    return [e for e in out if e]
 
 
 def shape_bytes(shape: str) -> int:
@@ -334,6 +352,11 @@ def kernel_bytes(mod: Module, ins: Instr, shapes: dict) -> int:
     """Bytes a kernel moves, as far as the HLO says: its result (or the in-place updates
     it writes) and its operands (or the slices of them it reads)."""
     operands = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
+    if ins.opcode.endswith("-start") and ins.shape.startswith("("):
+        # an asynchronous start's result is (its operands, its results, context): the
+        # operands are named again, not written; a slice-start reads only its slice
+        out = sum(shape_bytes(e) for e in tuple_elements(ins.shape)[1:])
+        return 2 * out if ins.opcode == "slice-start" else out + sum(operands)
     if ins.opcode != "fusion" or not ins.called():
         out = shape_bytes(ins.shape)
         if _library_gemm(ins):
