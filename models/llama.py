@@ -33,7 +33,8 @@ Internal parameter layout (chosen for XLA CPU speed, measured with
 ``x @ W`` (XLA CPU's fast gemv/gemm form; an ``[out, in]`` weight or a multi-dimensional
 contraction made XLA transpose every weight on every call). Q, K and V are fused per KV
 group as ``wqkv [D, Nkv, G+2, H]`` (G = N / Nkv query heads, then the group's K and V
-head, so sharding ``kv_heads`` keeps groups whole), gate and up as ``w_gate_up [D, 2, F]``,
+head, so sharding ``kv_heads`` keeps groups whole), gate and up as ``w_gate_up [D, 2, F]``
+(multiplied as one ``[D, 2F]`` matrix; on a TPU ``[2, D, F]``, see ``LlamaConfig.gate_up_first``),
 ``wo [N, H, D]``, ``w_down [F, D]``; the (tied) embedding is stored ``[D, V]`` so the LM
 head is a plain ``x @ E`` and the token lookup gathers columns. With ``scan_layers`` the
 per-layer parameters are stacked on a leading ``layers`` axis and run in ``lax.scan``;
@@ -104,6 +105,20 @@ def default_scan_layers(backend: Optional[str] = None, *, dtype: str = "float32"
     return _stack_read_in_place(cpu_kernels, x, w, _DTYPES[dtype])
 
 
+GATE_UP_FIRST_BACKENDS = ("tpu",)  # where gate_up_first="auto" stores w_gate_up [2, D, F]
+
+
+def default_gate_up_first(backend: Optional[str] = None) -> bool:
+    """The layout ``gate_up_first="auto"`` picks for ``backend`` (default: JAX's default
+    backend): ``[2, D, F]`` on TPU, ``[D, 2, F]`` elsewhere. XLA:TPU tiles the two minor axes
+    of an array, and a second-minor axis of 2 leaves ``[D, 2, F]`` in 2-row tiles that
+    every one-token product re-lays out in full (scripts/accel_aot.py, compiled for v5e:
+    1.07 GB of copies a step for the llama3-1b shape, none with ``[2, D, F]``); on CPU and GPU
+    ``[D, 2, F]`` is one plain ``[D, 2F]`` matrix product (``[2, D, F]`` would be two, or a
+    transposed copy of the weight)."""
+    return (backend or jax.default_backend()) in GATE_UP_FIRST_BACKENDS
+
+
 def _stack_read_in_place(mode: str, x2, w3, compute_dtype) -> bool:
     """Whether ``x2[M, K] @ w3[layer]`` of a scanned layer goes to the stacked CPU kernel
     (reading the layer where it lies) rather than to a copy of the layer's slice."""
@@ -163,6 +178,10 @@ class LlamaConfig:
     # sets it for Q8_0 / Q4_0 / Q4_1 files where the CPU kernels apply). The same float32
     # weights, rebuilt in the matmul kernel's registers: the same bits, a third of the bytes.
     weight_blocks: bool = False
+    # the fused gate/up weight stored [2, D, F] (True) or [D, 2, F] (False); "auto" (resolved
+    # when the config is made): True on TPU, see default_gate_up_first. The same values and
+    # logits either way; GGUF blocks keep [D, 2, F]. Speed only.
+    gate_up_first: Any = "auto"
     # -- architectural switches of other families (defaults: Llama) --------------------
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3)
@@ -198,6 +217,13 @@ class LlamaConfig:
         elif not isinstance(self.scan_layers, (bool, np.bool_)):
             raise ValueError(f"LlamaConfig.scan_layers must be true, false or 'auto', got {self.scan_layers!r}")
         object.__setattr__(self, "scan_layers", bool(self.scan_layers))
+        if self.gate_up_first == "auto":
+            object.__setattr__(self, "gate_up_first", default_gate_up_first() and not self.weight_blocks)
+        elif not isinstance(self.gate_up_first, (bool, np.bool_)):
+            raise ValueError(f"LlamaConfig.gate_up_first must be true, false or 'auto', got {self.gate_up_first!r}")
+        object.__setattr__(self, "gate_up_first", bool(self.gate_up_first))
+        if self.gate_up_first and self.weight_blocks:
+            raise ValueError("LlamaConfig.gate_up_first: GGUF block weights (weight_blocks) keep w_gate_up [D, 2, F]")
         if self.cpu_kernels not in KERNEL_MODES:
             raise ValueError(f"LlamaConfig.cpu_kernels={self.cpu_kernels!r}; expected one of {KERNEL_MODES}")
         if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
@@ -249,6 +275,10 @@ class LlamaConfig:
         return _DTYPES[self.param_dtype]
 
     def replace(self, **changes) -> "LlamaConfig":
+        """A copy with ``changes``; turning ``weight_blocks`` on also turns ``gate_up_first``
+        off unless it is given (the blocks' layout)."""
+        if changes.get("weight_blocks") and "gate_up_first" not in changes:
+            changes["gate_up_first"] = False
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:
@@ -744,12 +774,13 @@ def fuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     v = w["wv"].reshape(lead + (Nkv, 1, H, D))
     qkv = xp.concatenate([q, k, v], axis=-3)  # [.., Nkv, G+2, H, D]
     gu = xp.stack([w["w_gate"], w["w_up"]], axis=n)  # [.., 2, F, D]
+    gu = xp.swapaxes(gu, -1, -2) if cfg.gate_up_first else xp.moveaxis(gu, -1, n)
     out = {
         "attn_norm": w["attn_norm"],
         "wqkv": contig(xp.moveaxis(qkv, -1, n)),  # [.., D, Nkv, G+2, H]
         "wo": contig(xp.swapaxes(w["wo"], -1, -2)).reshape(lead + (N, H, D)),
         "mlp_norm": w["mlp_norm"],
-        "w_gate_up": contig(xp.moveaxis(gu, -1, n)),  # [.., D, 2, F]
+        "w_gate_up": contig(gu),  # [.., D, 2, F], or [.., 2, D, F] (gate_up_first)
         "w_down": contig(xp.swapaxes(w["w_down"], -1, -2)),  # [.., F, D]
     }
     if cfg.qkv_bias:  # the same grouping as wqkv: [.., Nkv, G+2, H]
@@ -769,7 +800,8 @@ def unfuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     lead = w["attn_norm"].shape[:-1]
     n = len(lead)
     qkv = np.moveaxis(w["wqkv"], n, -1)  # [.., Nkv, G+2, H, D]
-    gu = np.moveaxis(w["w_gate_up"], n, -1)  # [.., 2, F, D]
+    gu = w["w_gate_up"]
+    gu = np.swapaxes(gu, -1, -2) if cfg.gate_up_first else np.moveaxis(gu, n, -1)  # [.., 2, F, D]
     c = np.ascontiguousarray
     out = {
         "attn_norm": w["attn_norm"],
@@ -813,6 +845,8 @@ _OPTIONAL_NAMES = {
 def layer_param_names(cfg: LlamaConfig) -> dict:
     """Internal per-layer parameters for ``cfg`` -> their logical axis names."""
     out = dict(_LAYER_NAMES)
+    if cfg.gate_up_first:
+        out["w_gate_up"] = (None, "embed", "mlp")
     for flag, names in _OPTIONAL_NAMES.items():
         if getattr(cfg, flag):
             out.update(names)
@@ -980,7 +1014,12 @@ class Block(nnx.Module):
         x = constrain(x, ("batch", None, "embed"))
 
         h = rms_norm(x, self._p("mlp_norm", layer), eps, off, ck)
-        gu = self._mm(h, "w_gate_up", layer).reshape(B, T, 2, cfg.ffn_dim)
+        if cfg.gate_up_first:  # [2, D, F]: contracted as it is (-> [B*T, 2, F])
+            w = self._p("w_gate_up", layer).astype(dt)
+            gu = jax.lax.dot_general(h.reshape(B * T, D), w, (((1,), (1,)), ((), ())))
+            gu = gu.reshape(B, T, 2, cfg.ffn_dim)
+        else:
+            gu = self._mm(h, "w_gate_up", layer).reshape(B, T, 2, cfg.ffn_dim)
         if cfg.mlp_act == "gelu_tanh":
             a = jax.nn.gelu(gu[:, :, 0], approximate=True) * gu[:, :, 1]
         else:

@@ -207,6 +207,9 @@ def test_logits_and_cache_shardings(multi, mesh):
     c = _case(multi, mesh)
     assert c["logits_max_abs_diff"] < 1e-5, c["logits_max_abs_diff"]
     assert c["hidden_max_abs_diff"] < 1e-5, c["hidden_max_abs_diff"]  # several layers' hidden states
+    # w_gate_up stored [layers, 2, D, F] (the TPU layout): F split over "model", same logits
+    assert c["gate_up_first_logits_max_abs_diff"] < 1e-5, c["gate_up_first_logits_max_abs_diff"]
+    assert c["gate_up_first_spec"] + [None] * (4 - len(c["gate_up_first_spec"])) == [None, None, None, "model"]
     assert c["logits_sharding_ok"], f"logits {c['logits_spec']}, want (data, None, model)"
     assert c["target_cache_sharding_ok"], f"target cache {c['target_cache_spec']}"
     for m in METHODS:
