@@ -226,7 +226,8 @@ def test_bytes_of_library_calls_and_fresh_updates():
     assert hlo.kernel_bytes(mod, ins["new"], shapes) == 8 * 16 * 4 + 64 + 4
 
 
-# XLA:TPU's asynchronous copies and slices: a start names its operand again in its result
+# XLA:TPU's asynchronous copies and slices (a start names its operand again in its result),
+# and a slice and an update XLA did not fuse
 ASYNC = """HloModule a, is_scheduled=true
 
 ENTRY %main (w: bf16[8192,2048]) -> (bf16[2048,2048], bf16[8192,2048]) {
@@ -235,12 +236,16 @@ ENTRY %main (w: bf16[8192,2048]) -> (bf16[2048,2048], bf16[8192,2048]) {
   %sd = bf16[2048,2048]{1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
   %cs = (bf16[8192,2048]{1,0:T(8,128)(2,1)}, bf16[8192,2048]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%w)
   %cd = bf16[8192,2048]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
-  ROOT %t = (bf16[2048,2048]{1,0}, bf16[8192,2048]{1,0}) tuple(%sd, %cd)
+  %i = s32[] constant(3)
+  %z = s32[] constant(0)
+  %row = bf16[1,2048]{1,0} dynamic-slice(%w, %i, %z), dynamic_slice_sizes={1,2048}
+  %upd = bf16[8192,2048]{1,0} dynamic-update-slice(%w, %row, %z, %z)
+  ROOT %t = (bf16[2048,2048]{1,0}, bf16[8192,2048]{1,0}, bf16[8192,2048]{1,0}) tuple(%sd, %cd, %upd)
 }
 """
 
 
-def test_asynchronous_starts_count_their_data_once():
+def test_asynchronous_starts_and_unfused_slices_count_their_data_once():
     mod = hlo.parse(ASYNC)
     ins = {i.name: i for i in mod.computations[mod.entry]}
     shapes = {i.name: i.shape for i in mod.computations[mod.entry]}
@@ -249,9 +254,12 @@ def test_asynchronous_starts_count_their_data_once():
     assert hlo.kernel_bytes(mod, ins["ss"], shapes) == 2 * (2048 * 2048 * 2 + 4)
     # a copy-start reads the weight and writes its copy once
     assert hlo.kernel_bytes(mod, ins["cs"], shapes) == 2 * 8192 * 2048 * 2 + 4
+    # unfused slices read their slice, updates write theirs in place (plus the indices)
+    assert hlo.kernel_bytes(mod, ins["row"], shapes) == 2 * 2048 * 2 + 8
+    assert hlo.kernel_bytes(mod, ins["upd"], shapes) == 2 * 2048 * 2 + 8
     t = hlo.tally(mod, mod.entry)
-    assert t.kernels == 2  # the starts; the dones launch nothing
-    assert t.bytes == 2 * (2048 * 2048 * 2 + 4) + 2 * 8192 * 2048 * 2 + 4
+    assert t.kernels == 4  # the starts, the slice and the update; the dones launch nothing
+    assert t.bytes == 2 * (2048 * 2048 * 2 + 4) + 2 * 8192 * 2048 * 2 + 4 + 2 * (2 * 2048 * 2 + 8)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

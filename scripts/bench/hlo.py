@@ -357,6 +357,10 @@ def kernel_bytes(mod: Module, ins: Instr, shapes: dict) -> int:
         # operands are named again, not written; a slice-start reads only its slice
         out = sum(shape_bytes(e) for e in tuple_elements(ins.shape)[1:])
         return 2 * out if ins.opcode == "slice-start" else out + sum(operands)
+    if ins.opcode in ("slice", "dynamic-slice"):  # reads its slice (and the start indices)
+        return 2 * shape_bytes(ins.shape) + sum(operands[1:])
+    if ins.opcode == "dynamic-update-slice" and len(operands) > 1:  # in place: the update, twice
+        return 2 * operands[1] + sum(operands[2:])
     if ins.opcode != "fusion" or not ins.called():
         out = shape_bytes(ins.shape)
         if _library_gemm(ins):
