@@ -127,6 +127,9 @@ def traced_as(platform: str):
         yield
 
 
+GATE_UP = {"auto": "auto", "first": True, "fused": False}  # --gate-up -> LlamaConfig.gate_up_first
+
+
 def abstract_on(tree, device):
     """``tree``'s arrays as ShapeDtypeStructs placed on ``device``."""
     import jax
@@ -136,21 +139,22 @@ def abstract_on(tree, device):
                         if hasattr(a, "shape") else a, tree)
 
 
-def build_target(spec: str, dtype: str, scan_layers="auto"):
+def build_target(spec: str, dtype: str, scan_layers="auto", gate_up_first="auto"):
     """(target, draft or "lookup", name): the GGUF's SmolLM2 with the shipped EAGLE head, or
-    a preset's shape with abstract (unallocated) weights and prompt lookup."""
+    a preset's shape with abstract (unallocated) weights and prompt lookup. ``gate_up_first``:
+    ``LlamaConfig.gate_up_first`` (the gate/up weight's layout)."""
     from specjax.build import abstract_model, load_target, resolve_draft
 
     if spec == "default":
         target, _, _ = load_target("default", param_dtype=dtype, with_tokenizer=False,
-                                   scan_layers=scan_layers)
+                                   scan_layers=scan_layers, gate_up_first=gate_up_first)
         draft, _ = resolve_draft("default", target)
         return target, draft, target.config.name
     from specjax.models import LlamaLM
     from specjax.models.config import load_preset
 
     layers = {} if scan_layers == "auto" else dict(scan_layers=scan_layers)  # the preset's own
-    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, **layers)
+    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, gate_up_first=gate_up_first, **layers)
     graphdef, state = abstract_model(pre.config)
     return LlamaLM(pre.config, graphdef, state), "lookup", pre.name
 
@@ -225,6 +229,9 @@ def _parser():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layers", default="auto", choices=["auto", "scan", "unroll"],
                     help="layer mode (auto: what the library picks on the chip's backend)")
+    ap.add_argument("--gate-up", default="auto", choices=sorted(GATE_UP),
+                    help="the gate/up weight's layout: [2, D, F] (first), [D, 2, F] (fused) or "
+                         "the backend's (auto: first on TPU)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--ks", default="1,3", help="fixed K of the speculative engines ('' for none)")
     ap.add_argument("--auto", action="store_true", help="also k=auto")
@@ -282,10 +289,11 @@ def main(argv=None) -> int:
     with traced:
         hints = {"auto": ["1" if resolve_batch_hints(None) else "0"], "on": ["1"], "off": ["0"],
                  "both": ["0", "1"]}[a.hints]
-        target, draft, name = build_target(a.target, a.dtype, layers)
+        target, draft, name = build_target(a.target, a.dtype, layers, GATE_UP[a.gate_up])
         mode = "scanned" if target.config.scan_layers else "unrolled"
+        gate_up = "[2, D, F]" if target.config.gate_up_first else "[D, 2, F]"
         how = "" if a.chip == "local" else " (compile-only)"
-        print(f"# {name} ({a.dtype}, {mode} layers) on {chip['name']}{how}, "
+        print(f"# {name} ({a.dtype}, {mode} layers, gate/up {gate_up}) on {chip['name']}{how}, "
               f"prompt {a.prompt_len} tokens, {a.max_new_tokens} new", flush=True)
         rng = np.random.default_rng(0)
         engines = [("autoregressive", lambda: make_autoregressive_engine(target))]
@@ -318,7 +326,7 @@ def main(argv=None) -> int:
                                 f.write(text)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, results=results), f,
+            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, gate_up=gate_up, results=results), f,
                       indent=1)
     return 0
 
