@@ -204,7 +204,8 @@ def print_result(r: dict, platform: str) -> None:
     tpu = platform == "tpu"
     cost = (f"{_range(r.get('cycles_least'), r.get('cycles'))} estimated cycles" if tpu else
             f"{_range(r.get('syncs_least'), r.get('syncs'))} syncs")
-    print(f"{r['engine']:>14} b={r['batch']:<3} T={r['temperature']:g} hints={int(r['hints'])}: "
+    top_p = f" top-p={r['top_p']:g}" if r.get("top_p", 1.0) < 1 else ""
+    print(f"{r['engine']:>14} b={r['batch']:<3} T={r['temperature']:g}{top_p} hints={int(r['hints'])}: "
           f"{_range(r.get('kernels_least'), r.get('kernels'))} {'ops' if tpu else 'kernels'}, {cost} "
           f"per iteration, {r.get('bytes', 0) / 1e6:.1f} MB ({r.get('roofline_us', 0):.0f} us at the roof), "
           f"copies {r.get('copies')} ({r.get('copy_bytes', 0) / 1e6:.2f} MB); temp "
@@ -237,6 +238,8 @@ def _parser():
     ap.add_argument("--auto", action="store_true", help="also k=auto")
     ap.add_argument("--tree", action="store_true", help="also the default draft tree (method 'tree')")
     ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="top-p of the sampled rows (the CLI's default is 0.9; 1: off)")
     ap.add_argument("--hints", default="auto", choices=["auto", "on", "off", "both"],
                     help="batch hints (auto: the backend's default, on for a GPU)")
     ap.add_argument("--prompt-len", type=int, default=48)
@@ -272,6 +275,8 @@ def main(argv=None) -> int:
         ap.error(f"bad list: {e}")
     if any(b < 1 for b in batches) or any(k < 1 for k in ks):
         ap.error("batches and K must be >= 1")
+    if not 0 < a.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.chip == "local":
         device, chip = local_chip()
     else:
@@ -309,13 +314,14 @@ def main(argv=None) -> int:
                 prompts = [list(map(int, rng.integers(3, target.vocab_size, a.prompt_len)))
                            for _ in range(b)]
                 for t in temps:
-                    sp = sampling.SamplingParams.create(b, temperature=t)
+                    top_p = a.top_p if t else 1.0
+                    sp = sampling.SamplingParams.create(b, temperature=t, top_p=top_p)
                     for label, make in engines:
                         eng = make()
                         exe, secs = compile_program(eng, device, prompts, seed=0, sampling_params=sp,
                                                     max_new_tokens=a.max_new_tokens)
                         info, text = read(exe, chip["memory_bandwidth"] or float("inf"), a.top)
-                        r = dict(engine=label, batch=b, temperature=t, hints=h == "1",
+                        r = dict(engine=label, batch=b, temperature=t, top_p=top_p, hints=h == "1",
                                  compile_s=round(secs, 1), **info)
                         results.append(r)
                         print_result(r, chip["platform"])
