@@ -315,11 +315,18 @@ def _outputs(instrs: list) -> set:
     return out
 
 
+def _through(instrs: dict, name: str, opcodes: tuple) -> Optional[Instr]:
+    """The instruction ``name`` is, followed back through ``opcodes`` (views, copies) to
+    what they take (None where it leaves ``instrs``)."""
+    i = instrs.get(name)
+    while i is not None and i.opcode in opcodes and i.operands:
+        i = instrs.get(i.operands[0])
+    return i
+
+
 def _from_parameter(instrs: dict, name: str) -> bool:
     """Whether ``name`` is a parameter of the computation, through views."""
-    i = instrs.get(name)
-    while i is not None and i.opcode in ("bitcast", "reshape") and i.operands:
-        i = instrs.get(i.operands[0])
+    i = _through(instrs, name, ("bitcast", "reshape"))
     return i is not None and i.opcode == "parameter"
 
 
@@ -392,9 +399,7 @@ def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
     init = here.get(ins.operands[0]) if ins.operands else None
     if not (n and idx and init is not None and init.opcode == "tuple"):
         return None
-    start = here.get(init.operands[int(idx.group(1))])
-    while start is not None and start.opcode == "copy":
-        start = here.get(start.operands[0])
+    start = _through(here, init.operands[int(idx.group(1))], ("copy",))
     if start is None or start.opcode != "constant" or not re.match(r"\(0\)", start.rest):
         return None
     # ... and that the body moves it on: element i of the body's result is element i + 1
@@ -405,9 +410,7 @@ def trip_count(mod: Module, ins: Instr, comp: str) -> Optional[int]:
     step = body.get(out.operands[int(idx.group(1))])
 
     def is_counter(name):
-        i = body.get(name)
-        while i is not None and i.opcode == "copy":
-            i = body.get(i.operands[0])
+        i = _through(body, name, ("copy",))
         return (i is not None and i.opcode == "get-tuple-element"
                 and re.search(rf"index={idx.group(1)}\b", i.rest) is not None)
 
