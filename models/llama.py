@@ -33,7 +33,8 @@ Internal parameter layout (chosen for XLA CPU speed, measured with
 ``x @ W`` (XLA CPU's fast gemv/gemm form; an ``[out, in]`` weight or a multi-dimensional
 contraction made XLA transpose every weight on every call). Q, K and V are fused per KV
 group as ``wqkv [D, Nkv, G+2, H]`` (G = N / Nkv query heads, then the group's K and V
-head, so sharding ``kv_heads`` keeps groups whole), gate and up as ``w_gate_up [D, 2, F]``
+head, so sharding ``kv_heads`` keeps groups whole; on a TPU ``[Nkv, G+2, H, D]``, see
+``LlamaConfig.qkv_input_last``), gate and up as ``w_gate_up [D, 2, F]``
 (multiplied as one ``[D, 2F]`` matrix; on a TPU ``[2, D, F]``, see ``LlamaConfig.gate_up_first``),
 ``wo [N, H, D]``, ``w_down [F, D]``; the (tied) embedding is stored ``[D, V]`` so the LM
 head is a plain ``x @ E`` and the token lookup gathers columns. With ``scan_layers`` the
@@ -105,7 +106,9 @@ def default_scan_layers(backend: Optional[str] = None, *, dtype: str = "float32"
     return _stack_read_in_place(cpu_kernels, x, w, _DTYPES[dtype])
 
 
-GATE_UP_FIRST_BACKENDS = ("tpu",)  # where gate_up_first="auto" stores w_gate_up [2, D, F]
+# where gate_up_first="auto" stores w_gate_up [2, D, F] and qkv_input_last="auto" wqkv
+# [Nkv, G+2, H, D]: the backends that tile an array's two minor axes (XLA:TPU)
+TILED_LAYOUT_BACKENDS = ("tpu",)
 
 
 def default_gate_up_first(backend: Optional[str] = None) -> bool:
@@ -116,7 +119,20 @@ def default_gate_up_first(backend: Optional[str] = None) -> bool:
     1.07 GB of copies a step for the llama3-1b shape, none with ``[2, D, F]``); on CPU and GPU
     ``[D, 2, F]`` is one plain ``[D, 2F]`` matrix product (``[2, D, F]`` would be two, or a
     transposed copy of the weight)."""
-    return (backend or jax.default_backend()) in GATE_UP_FIRST_BACKENDS
+    return (backend or jax.default_backend()) in TILED_LAYOUT_BACKENDS
+
+
+def default_qkv_input_last(backend: Optional[str] = None) -> bool:
+    """The layout ``qkv_input_last="auto"`` picks for ``backend``: ``wqkv [Nkv, G+2, H, D]``
+    (the input axis last, the canonical rows of Q, K and V grouped by KV head) on TPU,
+    ``[D, Nkv, G+2, H]`` elsewhere. ``[D, Nkv, G+2, H]`` has a second-minor axis of G+2
+    (6 for Llama-3-8B, 5 for SmolLM2), which XLA:TPU pads to its tiles; compiled for v5p
+    (scripts/accel_aot.py, the llama3-8b shape, scanned layers) every one-token step wrote
+    each layer's slice to HBM and read it back (100 MB a layer) and both programs took the
+    whole weight in another layout than the array's (a 1.6 GB copy per call), none of which
+    ``[Nkv, G+2, H, D]`` needs. On CPU and GPU ``[D, Nkv, G+2, H]`` is one plain ``[D, 3N]``
+    product, the form their kernels are tuned for."""
+    return (backend or jax.default_backend()) in TILED_LAYOUT_BACKENDS
 
 
 def _stack_read_in_place(mode: str, x2, w3, compute_dtype) -> bool:
@@ -182,6 +198,9 @@ class LlamaConfig:
     # when the config is made): True on TPU, see default_gate_up_first. The same values and
     # logits either way; GGUF blocks keep [D, 2, F]. Speed only.
     gate_up_first: Any = "auto"
+    # the fused q/k/v weight stored [Nkv, G+2, H, D] (True) or [D, Nkv, G+2, H] (False); "auto":
+    # True on TPU, see default_qkv_input_last. Speed only, as gate_up_first; GGUF blocks keep [D, ...].
+    qkv_input_last: Any = "auto"
     # -- architectural switches of other families (defaults: Llama) --------------------
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3, Gemma 3)
@@ -217,13 +236,16 @@ class LlamaConfig:
         elif not isinstance(self.scan_layers, (bool, np.bool_)):
             raise ValueError(f"LlamaConfig.scan_layers must be true, false or 'auto', got {self.scan_layers!r}")
         object.__setattr__(self, "scan_layers", bool(self.scan_layers))
-        if self.gate_up_first == "auto":
-            object.__setattr__(self, "gate_up_first", default_gate_up_first() and not self.weight_blocks)
-        elif not isinstance(self.gate_up_first, (bool, np.bool_)):
-            raise ValueError(f"LlamaConfig.gate_up_first must be true, false or 'auto', got {self.gate_up_first!r}")
-        object.__setattr__(self, "gate_up_first", bool(self.gate_up_first))
-        if self.gate_up_first and self.weight_blocks:
-            raise ValueError("LlamaConfig.gate_up_first: GGUF block weights (weight_blocks) keep w_gate_up [D, 2, F]")
+        for f, default, blocks_layout in (("gate_up_first", default_gate_up_first, "w_gate_up [D, 2, F]"),
+                                          ("qkv_input_last", default_qkv_input_last, "wqkv [D, Nkv, G+2, H]")):
+            v = getattr(self, f)  # the TPU layouts: "auto" resolved here, blocks keep their own
+            if isinstance(v, str) and v == "auto":
+                v = default() and not self.weight_blocks
+            elif not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"LlamaConfig.{f} must be true, false or 'auto', got {v!r}")
+            object.__setattr__(self, f, bool(v))
+            if v and self.weight_blocks:
+                raise ValueError(f"LlamaConfig.{f}: GGUF block weights (weight_blocks) keep {blocks_layout}")
         if self.cpu_kernels not in KERNEL_MODES:
             raise ValueError(f"LlamaConfig.cpu_kernels={self.cpu_kernels!r}; expected one of {KERNEL_MODES}")
         if isinstance(self.rope_scaling, Mapping):  # accept a plain dict (e.g. from YAML)
@@ -276,9 +298,10 @@ class LlamaConfig:
 
     def replace(self, **changes) -> "LlamaConfig":
         """A copy with ``changes``; turning ``weight_blocks`` on also turns ``gate_up_first``
-        off unless it is given (the blocks' layout)."""
-        if changes.get("weight_blocks") and "gate_up_first" not in changes:
-            changes["gate_up_first"] = False
+        and ``qkv_input_last`` off unless they are given (the blocks' layout)."""
+        if changes.get("weight_blocks"):
+            for f in ("gate_up_first", "qkv_input_last"):
+                changes.setdefault(f, False)
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:
@@ -777,7 +800,8 @@ def fuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     gu = xp.swapaxes(gu, -1, -2) if cfg.gate_up_first else xp.moveaxis(gu, -1, n)
     out = {
         "attn_norm": w["attn_norm"],
-        "wqkv": contig(xp.moveaxis(qkv, -1, n)),  # [.., D, Nkv, G+2, H]
+        # [.., D, Nkv, G+2, H], or as it is (qkv_input_last)
+        "wqkv": contig(qkv if cfg.qkv_input_last else xp.moveaxis(qkv, -1, n)),
         "wo": contig(xp.swapaxes(w["wo"], -1, -2)).reshape(lead + (N, H, D)),
         "mlp_norm": w["mlp_norm"],
         "w_gate_up": contig(gu),  # [.., D, 2, F], or [.., 2, D, F] (gate_up_first)
@@ -799,7 +823,7 @@ def unfuse_layer(cfg: LlamaConfig, w: Mapping[str, Any]) -> dict:
     w = {k: _np(v) for k, v in w.items()}
     lead = w["attn_norm"].shape[:-1]
     n = len(lead)
-    qkv = np.moveaxis(w["wqkv"], n, -1)  # [.., Nkv, G+2, H, D]
+    qkv = w["wqkv"] if cfg.qkv_input_last else np.moveaxis(w["wqkv"], n, -1)  # [.., Nkv, G+2, H, D]
     gu = w["w_gate_up"]
     gu = np.swapaxes(gu, -1, -2) if cfg.gate_up_first else np.moveaxis(gu, n, -1)  # [.., 2, F, D]
     c = np.ascontiguousarray
@@ -847,6 +871,8 @@ def layer_param_names(cfg: LlamaConfig) -> dict:
     out = dict(_LAYER_NAMES)
     if cfg.gate_up_first:
         out["w_gate_up"] = (None, "embed", "mlp")
+    if cfg.qkv_input_last:
+        out["wqkv"] = ("kv_heads", None, "head_dim", "embed")
     for flag, names in _OPTIONAL_NAMES.items():
         if getattr(cfg, flag):
             out.update(names)
@@ -988,7 +1014,12 @@ class Block(nnx.Module):
         off, eps, ck = cfg.norm_offset, cfg.norm_eps, cfg.cpu_kernels
 
         h = rms_norm(x, self._p("attn_norm", layer), eps, off, ck)
-        qkv = self._mm(h, "wqkv", layer).reshape(B, T, Nkv, G + 2, H)
+        if cfg.qkv_input_last:  # [Nkv, G+2, H, D]: contracted as it is (-> [B*T, Nkv, G+2, H])
+            w = self._p("wqkv", layer).astype(dt)
+            qkv = jax.lax.dot_general(h.reshape(B * T, D), w, (((1,), (3,)), ((), ())))
+        else:
+            qkv = self._mm(h, "wqkv", layer)
+        qkv = qkv.reshape(B, T, Nkv, G + 2, H)
         if cfg.qkv_bias:
             qkv = qkv + self._p("bqkv", layer).astype(dt)
         q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]

@@ -417,49 +417,59 @@ def test_one_row_product_is_two_rows_on_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_gate_up_first_layout_gives_the_same_model(seq, scan):
-    """``gate_up_first`` (the TPU layout ``w_gate_up [2, D, F]``) stores the same weights
-    and computes the same logits as ``[D, 2, F]``, one row and several, unrolled and
-    scanned; its logical axis names keep F on ``mlp``."""
-    cfg = tiny_config(vocab_size=8, n_layers=2, scan_layers=scan, gate_up_first=False)
+def test_tpu_layouts_give_the_same_model(seq, scan):
+    """The TPU layouts, ``gate_up_first`` (``w_gate_up [2, D, F]``) and ``qkv_input_last``
+    (``wqkv [Nkv, G+2, H, D]``), each alone and both, store the same weights and compute the
+    same logits as ``[D, 2, F]`` / ``[D, Nkv, G+2, H]``, one row and several, unrolled and
+    scanned; their logical axis names keep F on ``mlp`` and the KV groups on ``kv_heads``."""
+    cfg = tiny_config(vocab_size=8, n_layers=2, scan_layers=scan, gate_up_first=False, qkv_input_last=False)
     lm_f = LlamaLM.init(cfg, seed=5)
-    lm_t = lm_f.with_config(gate_up_first=True)
-    assert lm_t.config.gate_up_first and not lm_f.config.gate_up_first
-    D, F = cfg.dim, cfg.ffn_dim
+    D, F, Nkv, G, H = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     lead = ("layers",) if scan else ()
-    for lm_, shape, names in ((lm_f, (D, 2, F), ("embed", None, "mlp")), (lm_t, (2, D, F), (None, "embed", "mlp"))):
-        specs = nnx.get_partition_spec(lm_.params)["layers"]
-        gu, spec = (lm_.params["layers"], specs) if scan else (lm_.params["layers"][0], specs[0])
-        assert gu["w_gate_up"][...].shape[len(lead):] == shape
-        assert tuple(spec["w_gate_up"].get_value()) == lead + names
-    wf, wt = lm_f.canonical_weights(), lm_t.canonical_weights()
-    assert wf.keys() == wt.keys()
-    for k in wf:
-        np.testing.assert_array_equal(wf[k], wt[k])
-    cf, ct = lm_f.init_cache(1, 32), lm_t.init_cache(1, 32)
-    for a, b in [(0, 5), (5, 6), (6, 7)]:  # a prefill, then one-token steps
-        of = jitted(lm_f)(lm_f.params, jnp.asarray(seq[:, a:b]), cf)
-        ot = jitted(lm_t)(lm_t.params, jnp.asarray(seq[:, a:b]), ct)
-        np.testing.assert_allclose(ot.logits, of.logits, atol=ATOL)
-        np.testing.assert_allclose(ot.cache.v, of.cache.v, atol=ATOL)
-        cf, ct = of.cache, ot.cache
+    layouts = {"w_gate_up": {False: ((D, 2, F), ("embed", None, "mlp")), True: ((2, D, F), (None, "embed", "mlp"))},
+               "wqkv": {False: ((D, Nkv, G + 2, H), ("embed", "kv_heads", None, "head_dim")),
+                        True: ((Nkv, G + 2, H, D), ("kv_heads", None, "head_dim", "embed"))}}
+    wf = lm_f.canonical_weights()
+    for gu_first, qkv_last in ((True, False), (False, True), (True, True)):
+        lm_t = lm_f.with_config(gate_up_first=gu_first, qkv_input_last=qkv_last)
+        assert (lm_t.config.gate_up_first, lm_t.config.qkv_input_last) == (gu_first, qkv_last)
+        for lm_, flags in ((lm_f, (False, False)), (lm_t, (gu_first, qkv_last))):
+            specs = nnx.get_partition_spec(lm_.params)["layers"]
+            p, spec = (lm_.params["layers"], specs) if scan else (lm_.params["layers"][0], specs[0])
+            for name, flag in zip(("w_gate_up", "wqkv"), flags):
+                shape, names = layouts[name][flag]
+                assert p[name][...].shape[len(lead):] == shape, (name, flag)
+                assert tuple(spec[name].get_value()) == lead + names, (name, flag)
+        wt = lm_t.canonical_weights()
+        assert wf.keys() == wt.keys()
+        for k in wf:
+            np.testing.assert_array_equal(wf[k], wt[k])
+        cf, ct = lm_f.init_cache(1, 32), lm_t.init_cache(1, 32)
+        for a, b in [(0, 5), (5, 6), (6, 7)]:  # a prefill, then one-token steps
+            of = jitted(lm_f)(lm_f.params, jnp.asarray(seq[:, a:b]), cf)
+            ot = jitted(lm_t)(lm_t.params, jnp.asarray(seq[:, a:b]), ct)
+            np.testing.assert_allclose(ot.logits, of.logits, atol=ATOL)
+            np.testing.assert_allclose(ot.cache.v, of.cache.v, atol=ATOL)
+            cf, ct = of.cache, ot.cache
 
 
-def test_gate_up_first_auto_follows_the_backend(monkeypatch):
-    from specjax.models.llama import default_gate_up_first
+@pytest.mark.parametrize("field", ["gate_up_first", "qkv_input_last"])
+def test_tpu_layouts_auto_follow_the_backend(monkeypatch, field):
+    from specjax.models import llama
 
-    assert [default_gate_up_first(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [False, False, False, True]
-    assert tiny_config().gate_up_first is (jax.default_backend() == "tpu")
-    assert tiny_config(gate_up_first=True).gate_up_first is True
-    with pytest.raises(ValueError, match="gate_up_first must be true, false or 'auto'"):
-        tiny_config(gate_up_first="yes")
+    default = {"gate_up_first": llama.default_gate_up_first, "qkv_input_last": llama.default_qkv_input_last}[field]
+    assert [default(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [False, False, False, True]
+    assert getattr(tiny_config(), field) is (jax.default_backend() == "tpu")
+    assert getattr(tiny_config(**{field: True}), field) is True
+    with pytest.raises(ValueError, match=f"{field} must be true, false or 'auto'"):
+        tiny_config(**{field: "yes"})
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     blocks = dict(dim=64, head_dim=32, n_heads=2, n_kv_heads=1, ffn_dim=96)  # whole 32-input blocks
     on_tpu = tiny_config(**blocks)
-    assert on_tpu.gate_up_first is True
-    # GGUF blocks keep [D, 2, F]: "auto" gives way, an explicit True is an error, and turning
+    assert getattr(on_tpu, field) is True
+    # GGUF blocks keep their layout: "auto" gives way, an explicit True is an error, and turning
     # blocks on through replace turns the resolved layout off
-    assert tiny_config(weight_blocks=True, **blocks).gate_up_first is False
-    with pytest.raises(ValueError, match="weight_blocks"):
-        tiny_config(weight_blocks=True, gate_up_first=True, **blocks)
-    assert on_tpu.replace(weight_blocks=True).gate_up_first is False
+    assert getattr(tiny_config(weight_blocks=True, **blocks), field) is False
+    with pytest.raises(ValueError, match=f"{field}: GGUF block weights"):
+        tiny_config(weight_blocks=True, **{field: True}, **blocks)
+    assert getattr(on_tpu.replace(weight_blocks=True), field) is False
