@@ -16,7 +16,9 @@ per iteration of the decode loop, the operations that run as their own kernel, t
 syncs on a GPU (a ``conditional`` or a ``while`` without a known trip count each copy a
 predicate to the host and wait; a TPU runs its control flow on the chip), the bytes the
 kernels move, copies, the source of the kernels, and on a TPU the compiler's own estimate
-of the cycles.
+of the cycles, and the arguments the program takes in another layout than the one an array
+has by default: JAX copies such an argument to the program's layout on every call (on a
+TPU the compiler chooses the weights' layouts; on a GPU they are always the default).
 
 Not a timing: XLA cannot autotune without the device (GPU matmuls keep their default
 configurations), may run runs of kernels as one CUDA graph, and a library call may launch
@@ -128,6 +130,7 @@ def traced_as(platform: str):
 
 
 GATE_UP = {"auto": "auto", "first": True, "fused": False}  # --gate-up -> LlamaConfig.gate_up_first
+QKV = {"auto": "auto", "last": True, "fused": False}  # --qkv -> LlamaConfig.qkv_input_last
 
 
 def abstract_on(tree, device):
@@ -139,22 +142,23 @@ def abstract_on(tree, device):
                         if hasattr(a, "shape") else a, tree)
 
 
-def build_target(spec: str, dtype: str, scan_layers="auto", gate_up_first="auto"):
+def build_target(spec: str, dtype: str, scan_layers="auto", gate_up_first="auto", qkv_input_last="auto"):
     """(target, draft or "lookup", name): the GGUF's SmolLM2 with the shipped EAGLE head, or
-    a preset's shape with abstract (unallocated) weights and prompt lookup. ``gate_up_first``:
-    ``LlamaConfig.gate_up_first`` (the gate/up weight's layout)."""
+    a preset's shape with abstract (unallocated) weights and prompt lookup. ``gate_up_first``,
+    ``qkv_input_last``: the LlamaConfig fields (the gate/up and q/k/v weights' layouts)."""
+    layouts = dict(gate_up_first=gate_up_first, qkv_input_last=qkv_input_last)
     from specjax.build import abstract_model, load_target, resolve_draft
 
     if spec == "default":
         target, _, _ = load_target("default", param_dtype=dtype, with_tokenizer=False,
-                                   scan_layers=scan_layers, gate_up_first=gate_up_first)
+                                   scan_layers=scan_layers, **layouts)
         draft, _ = resolve_draft("default", target)
         return target, draft, target.config.name
     from specjax.models import LlamaLM
     from specjax.models.config import load_preset
 
     layers = {} if scan_layers == "auto" else dict(scan_layers=scan_layers)  # the preset's own
-    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, gate_up_first=gate_up_first, **layers)
+    pre = load_preset(spec, param_dtype=dtype, dtype=dtype, **layouts, **layers)
     graphdef, state = abstract_model(pre.config)
     return LlamaLM(pre.config, graphdef, state), "lookup", pre.name
 
@@ -179,7 +183,7 @@ def read(exe, bandwidth: float, top: int) -> tuple[dict, str]:
     mod = hlo.parse(text)
     lp = hlo.main_loop(mod)
     mem = exe.memory_analysis()
-    out = dict(temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+    out = dict(temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0), relayout_bytes=relaid_out(exe),
                loops=[dict(name=x.name, depth=x.depth, trip_count=x.trip_count,
                            kernels=x.per_iteration.kernels, kernels_least=x.least.kernels,
                            syncs=x.per_iteration.syncs, syncs_least=x.least.syncs,
@@ -196,6 +200,20 @@ def read(exe, bandwidth: float, top: int) -> tuple[dict, str]:
     return out, text
 
 
+def relaid_out(exe) -> int:
+    """Bytes of the arguments that the compiled program takes in another layout than an
+    array's default (major-to-minor): JAX copies each of them to that layout on every call
+    (``jax._src.array._array_shard_arg``), outside the program and its loop."""
+    import jax
+
+    total = 0
+    for fmt, aval in zip(jax.tree.leaves(exe.input_formats), jax.tree.leaves(exe.in_avals)):
+        layout = getattr(fmt, "layout", None)
+        if layout is not None and tuple(layout.major_to_minor) != tuple(range(len(aval.shape))):
+            total += aval.size * aval.dtype.itemsize
+    return total
+
+
 def _range(lo, hi) -> str:
     return f"{hi}" if lo == hi else f"{lo}-{hi}"
 
@@ -209,7 +227,7 @@ def print_result(r: dict, platform: str) -> None:
           f"{_range(r.get('kernels_least'), r.get('kernels'))} {'ops' if tpu else 'kernels'}, {cost} "
           f"per iteration, {r.get('bytes', 0) / 1e6:.1f} MB ({r.get('roofline_us', 0):.0f} us at the roof), "
           f"copies {r.get('copies')} ({r.get('copy_bytes', 0) / 1e6:.2f} MB); temp "
-          f"{r['temp_bytes'] / 1e6:.1f} MB [compiled in {r['compile_s']:.0f} s]")
+          f"{r['temp_bytes'] / 1e6:.1f} MB, relaid out per call {r['relayout_bytes'] / 1e6:.1f} MB [compiled in {r['compile_s']:.0f} s]")
     for lp in r["loops"][1:] if len(r["loops"]) > 1 else []:
         trips = "?" if lp["trip_count"] is None else lp["trip_count"]
         extra = f"{lp['cycles']} cycles" if tpu else f"{_range(lp['syncs_least'], lp['syncs'])} syncs"
@@ -233,6 +251,9 @@ def _parser():
     ap.add_argument("--gate-up", default="auto", choices=sorted(GATE_UP),
                     help="the gate/up weight's layout: [2, D, F] (first), [D, 2, F] (fused) or "
                          "the backend's (auto: first on TPU)")
+    ap.add_argument("--qkv", default="auto", choices=sorted(QKV),
+                    help="the q/k/v weight's layout: [Nkv, G+2, H, D] (last), [D, Nkv, G+2, H] "
+                         "(fused) or the backend's (auto: last on TPU)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--ks", default="1,3", help="fixed K of the speculative engines ('' for none)")
     ap.add_argument("--auto", action="store_true", help="also k=auto")
@@ -294,11 +315,12 @@ def main(argv=None) -> int:
     with traced:
         hints = {"auto": ["1" if resolve_batch_hints(None) else "0"], "on": ["1"], "off": ["0"],
                  "both": ["0", "1"]}[a.hints]
-        target, draft, name = build_target(a.target, a.dtype, layers, GATE_UP[a.gate_up])
+        target, draft, name = build_target(a.target, a.dtype, layers, GATE_UP[a.gate_up], QKV[a.qkv])
         mode = "scanned" if target.config.scan_layers else "unrolled"
         gate_up = "[2, D, F]" if target.config.gate_up_first else "[D, 2, F]"
+        qkv = "[Nkv, G+2, H, D]" if target.config.qkv_input_last else "[D, Nkv, G+2, H]"
         how = "" if a.chip == "local" else " (compile-only)"
-        print(f"# {name} ({a.dtype}, {mode} layers, gate/up {gate_up}) on {chip['name']}{how}, "
+        print(f"# {name} ({a.dtype}, {mode} layers, gate/up {gate_up}, q/k/v {qkv}) on {chip['name']}{how}, "
               f"prompt {a.prompt_len} tokens, {a.max_new_tokens} new", flush=True)
         rng = np.random.default_rng(0)
         engines = [("autoregressive", lambda: make_autoregressive_engine(target))]
@@ -332,7 +354,7 @@ def main(argv=None) -> int:
                                 f.write(text)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, gate_up=gate_up, results=results), f,
+            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, gate_up=gate_up, qkv=qkv, results=results), f,
                       indent=1)
     return 0
 

@@ -300,3 +300,27 @@ def test_accel_aot_without_the_chips_compiler_exits_2(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and what in err and len(err.strip().splitlines()) == 1, err
 
+
+
+def test_arguments_taken_in_another_layout_are_counted():
+    """``relaid_out``: the bytes of the arguments whose compiled layout is not an array's
+    default (JAX copies them on every call); default layouts count nothing."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.layout import Format, Layout
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def formats(*orders):
+        return tuple(Format(Layout(o), one) for o in orders), {}
+
+    class Exe:  # what accel_aot reads of a compiled program
+        in_avals = ((jax.core.ShapedArray((4, 8), jnp.bfloat16), jax.core.ShapedArray((2, 3, 5), jnp.float32),
+                     jax.core.ShapedArray((7,), jnp.int32)), {})
+        input_formats = formats((1, 0), (0, 1, 2), (0,))
+
+    assert accel_aot.relaid_out(Exe) == 4 * 8 * 2  # the transposed bf16 [4, 8] only
+    Exe.input_formats = formats((0, 1), (0, 2, 1), (0,))
+    assert accel_aot.relaid_out(Exe) == 2 * 3 * 5 * 4
+    exe = jax.jit(lambda a, b: (a @ b).sum()).lower(jnp.ones((4, 8)), jnp.ones((8, 3))).compile()
+    assert accel_aot.relaid_out(exe) == 0  # the CPU keeps every default layout
