@@ -122,17 +122,20 @@ def default_gate_up_first(backend: Optional[str] = None) -> bool:
     return (backend or jax.default_backend()) in TILED_LAYOUT_BACKENDS
 
 
-def default_qkv_input_last(backend: Optional[str] = None) -> bool:
-    """The layout ``qkv_input_last="auto"`` picks for ``backend``: ``wqkv [Nkv, G+2, H, D]``
-    (the input axis last, the canonical rows of Q, K and V grouped by KV head) on TPU,
-    ``[D, Nkv, G+2, H]`` elsewhere. ``[D, Nkv, G+2, H]`` has a second-minor axis of G+2
-    (6 for Llama-3-8B, 5 for SmolLM2), which XLA:TPU pads to its tiles; compiled for v5p
-    (scripts/accel_aot.py, the llama3-8b shape, scanned layers) every one-token step wrote
-    each layer's slice to HBM and read it back (100 MB a layer) and both programs took the
-    whole weight in another layout than the array's (a 1.6 GB copy per call), none of which
-    ``[Nkv, G+2, H, D]`` needs. On CPU and GPU ``[D, Nkv, G+2, H]`` is one plain ``[D, 3N]``
-    product, the form their kernels are tuned for."""
-    return (backend or jax.default_backend()) in TILED_LAYOUT_BACKENDS
+def default_qkv_input_last(backend: Optional[str] = None, scan_layers: bool = True) -> bool:
+    """The layout ``qkv_input_last="auto"`` picks for ``backend`` and the layer mode:
+    ``wqkv [Nkv, G+2, H, D]`` (the input axis last: the canonical rows of Q, K and V grouped
+    by KV head) for scanned layers on TPU, ``[D, Nkv, G+2, H]`` elsewhere. ``[D, Nkv, G+2,
+    H]`` has a second-minor axis of G+2 (6 for Llama-3-8B, 5 for SmolLM2) in XLA:TPU's
+    tiles; compiled for v5p (scripts/accel_aot.py, the llama3-8b shape, scanned) a one-token
+    step wrote each layer's slice to HBM and read it back (100 MB a layer), and both the
+    step's and a round's program took the weight in another layout than the array's (JAX
+    copies such an argument, 1.6 GB, on every call): ``[Nkv, G+2, H, D]`` needs none of it.
+    Unrolled, XLA:TPU reads ``[D, Nkv, G+2, H]`` where it lies, and with ``[Nkv, G+2, H, D]``
+    the 8B step copied its KV cache to another layout and back (bytes that grow with the
+    cache), so unrolled layers keep it. On CPU and GPU ``[D, Nkv, G+2, H]`` is one plain
+    ``[D, 3N]`` product, the form their kernels are tuned for."""
+    return (backend or jax.default_backend()) in TILED_LAYOUT_BACKENDS and bool(scan_layers)
 
 
 def _stack_read_in_place(mode: str, x2, w3, compute_dtype) -> bool:
@@ -199,7 +202,8 @@ class LlamaConfig:
     # logits either way; GGUF blocks keep [D, 2, F]. Speed only.
     gate_up_first: Any = "auto"
     # the fused q/k/v weight stored [Nkv, G+2, H, D] (True) or [D, Nkv, G+2, H] (False); "auto":
-    # True on TPU, see default_qkv_input_last. Speed only, as gate_up_first; GGUF blocks keep [D, ...].
+    # True for scanned layers on TPU, see default_qkv_input_last. Speed only, as gate_up_first;
+    # GGUF blocks keep [D, ...].
     qkv_input_last: Any = "auto"
     # -- architectural switches of other families (defaults: Llama) --------------------
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
@@ -236,11 +240,12 @@ class LlamaConfig:
         elif not isinstance(self.scan_layers, (bool, np.bool_)):
             raise ValueError(f"LlamaConfig.scan_layers must be true, false or 'auto', got {self.scan_layers!r}")
         object.__setattr__(self, "scan_layers", bool(self.scan_layers))
-        for f, default, blocks_layout in (("gate_up_first", default_gate_up_first, "w_gate_up [D, 2, F]"),
-                                          ("qkv_input_last", default_qkv_input_last, "wqkv [D, Nkv, G+2, H]")):
+        for f, default, blocks_layout in (
+                ("gate_up_first", default_gate_up_first(), "w_gate_up [D, 2, F]"),
+                ("qkv_input_last", default_qkv_input_last(scan_layers=self.scan_layers), "wqkv [D, Nkv, G+2, H]")):
             v = getattr(self, f)  # the TPU layouts: "auto" resolved here, blocks keep their own
             if isinstance(v, str) and v == "auto":
-                v = default() and not self.weight_blocks
+                v = default and not self.weight_blocks
             elif not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"LlamaConfig.{f} must be true, false or 'auto', got {v!r}")
             object.__setattr__(self, f, bool(v))
@@ -298,10 +303,13 @@ class LlamaConfig:
 
     def replace(self, **changes) -> "LlamaConfig":
         """A copy with ``changes``; turning ``weight_blocks`` on also turns ``gate_up_first``
-        and ``qkv_input_last`` off unless they are given (the blocks' layout)."""
+        and ``qkv_input_last`` off unless they are given (the blocks' layout), and a new
+        ``scan_layers`` resolves ``qkv_input_last`` again unless it is given."""
         if changes.get("weight_blocks"):
             for f in ("gate_up_first", "qkv_input_last"):
                 changes.setdefault(f, False)
+        if "scan_layers" in changes:
+            changes.setdefault("qkv_input_last", "auto")
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:

@@ -465,11 +465,17 @@ def test_tpu_layouts_auto_follow_the_backend(monkeypatch, field):
         tiny_config(**{field: "yes"})
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     blocks = dict(dim=64, head_dim=32, n_heads=2, n_kv_heads=1, ffn_dim=96)  # whole 32-input blocks
-    on_tpu = tiny_config(**blocks)
+    on_tpu = tiny_config(scan_layers="auto", **blocks)  # scanned, as the loaders pick on TPU
     assert getattr(on_tpu, field) is True
     # GGUF blocks keep their layout: "auto" gives way, an explicit True is an error, and turning
     # blocks on through replace turns the resolved layout off
-    assert getattr(tiny_config(weight_blocks=True, **blocks), field) is False
+    assert getattr(tiny_config(scan_layers=True, weight_blocks=True, **blocks), field) is False
     with pytest.raises(ValueError, match=f"{field}: GGUF block weights"):
         tiny_config(weight_blocks=True, **{field: True}, **blocks)
     assert getattr(on_tpu.replace(weight_blocks=True), field) is False
+    if field == "qkv_input_last":  # scanned layers only (unrolled, XLA:TPU reads [D, Nkv, G+2, H] as it lies)
+        assert on_tpu.scan_layers and not llama.default_qkv_input_last("tpu", scan_layers=False)
+        assert tiny_config(scan_layers=False, **blocks).qkv_input_last is False
+        assert on_tpu.replace(scan_layers=False).qkv_input_last is False  # resolved again
+        assert on_tpu.replace(scan_layers=False).replace(scan_layers=True).qkv_input_last is True
+        assert on_tpu.replace(scan_layers=False, qkv_input_last=True).qkv_input_last is True
