@@ -131,6 +131,7 @@ def traced_as(platform: str):
 
 GATE_UP = {"auto": "auto", "first": True, "fused": False}  # --gate-up -> LlamaConfig.gate_up_first
 QKV = {"auto": "auto", "last": True, "fused": False}  # --qkv -> LlamaConfig.qkv_input_last
+WO = {"auto": "auto", "flat": True, "heads": False}  # --wo -> LlamaConfig.wo_flat
 
 
 def abstract_on(tree, device):
@@ -142,11 +143,11 @@ def abstract_on(tree, device):
                         if hasattr(a, "shape") else a, tree)
 
 
-def build_target(spec: str, dtype: str, scan_layers="auto", gate_up_first="auto", qkv_input_last="auto"):
+def build_target(spec: str, dtype: str, scan_layers="auto", **layouts):
     """(target, draft or "lookup", name): the GGUF's SmolLM2 with the shipped EAGLE head, or
-    a preset's shape with abstract (unallocated) weights and prompt lookup. ``gate_up_first``,
-    ``qkv_input_last``: the LlamaConfig fields (the gate/up and q/k/v weights' layouts)."""
-    layouts = dict(gate_up_first=gate_up_first, qkv_input_last=qkv_input_last)
+    a preset's shape with abstract (unallocated) weights and prompt lookup. ``layouts``: the
+    LlamaConfig fields of the weights' layouts (``gate_up_first``, ``qkv_input_last``,
+    ``wo_flat``; "auto" where not given)."""
     from specjax.build import abstract_model, load_target, resolve_draft
 
     if spec == "default":
@@ -254,6 +255,9 @@ def _parser():
     ap.add_argument("--qkv", default="auto", choices=sorted(QKV),
                     help="the q/k/v weight's layout: [Nkv, G+2, H, D] (last), [D, Nkv, G+2, H] "
                          "(fused) or the backend's (auto: last on TPU)")
+    ap.add_argument("--wo", default="auto", choices=sorted(WO),
+                    help="the output projection's layout: [N*H, D] (flat), [N, H, D] (heads) or "
+                         "the backend's (auto: flat on TPU)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--ks", default="1,3", help="fixed K of the speculative engines ('' for none)")
     ap.add_argument("--auto", action="store_true", help="also k=auto")
@@ -315,12 +319,14 @@ def main(argv=None) -> int:
     with traced:
         hints = {"auto": ["1" if resolve_batch_hints(None) else "0"], "on": ["1"], "off": ["0"],
                  "both": ["0", "1"]}[a.hints]
-        target, draft, name = build_target(a.target, a.dtype, layers, GATE_UP[a.gate_up], QKV[a.qkv])
+        target, draft, name = build_target(a.target, a.dtype, layers, gate_up_first=GATE_UP[a.gate_up],
+                                           qkv_input_last=QKV[a.qkv], wo_flat=WO[a.wo])
         mode = "scanned" if target.config.scan_layers else "unrolled"
         gate_up = "[2, D, F]" if target.config.gate_up_first else "[D, 2, F]"
         qkv = "[Nkv, G+2, H, D]" if target.config.qkv_input_last else "[D, Nkv, G+2, H]"
+        wo = "[N*H, D]" if target.config.wo_flat else "[N, H, D]"
         how = "" if a.chip == "local" else " (compile-only)"
-        print(f"# {name} ({a.dtype}, {mode} layers, gate/up {gate_up}, q/k/v {qkv}) on {chip['name']}{how}, "
+        print(f"# {name} ({a.dtype}, {mode} layers, gate/up {gate_up}, q/k/v {qkv}, o {wo}) on {chip['name']}{how}, "
               f"prompt {a.prompt_len} tokens, {a.max_new_tokens} new", flush=True)
         rng = np.random.default_rng(0)
         engines = [("autoregressive", lambda: make_autoregressive_engine(target))]
@@ -354,7 +360,7 @@ def main(argv=None) -> int:
                                 f.write(text)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, gate_up=gate_up, qkv=qkv, results=results), f,
+            json.dump(dict(chip=a.chip, target=name, dtype=a.dtype, layers=mode, gate_up=gate_up, qkv=qkv, wo=wo, results=results), f,
                       indent=1)
     return 0
 

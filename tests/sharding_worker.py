@@ -166,15 +166,16 @@ def main(out_path: str, meshes: list, refs: bool) -> None:
         info["logits_spec"] = str(lg.sharding.spec)
         info["logits_sharding_ok"] = bool(equivalent(lg, P("data", None, "model")))
         info["logits_max_abs_diff"] = float(np.max(np.abs(np.asarray(lg) - ref_logits)))
-        # the TPU layouts on the mesh: w_gate_up [2, D, F] (LlamaConfig.gate_up_first) and
-        # wqkv [Nkv, G+2, H, D] (qkv_input_last)
-        tg2 = build.load_model(tcfg.replace(gate_up_first=True, qkv_input_last=True), tw, plan, "target")
+        # the TPU layouts on the mesh: w_gate_up [2, D, F] (LlamaConfig.gate_up_first), wqkv
+        # [Nkv, G+2, H, D] (qkv_input_last) and wo [N*H, D] (wo_flat)
+        tg2 = build.load_model(tcfg.replace(gate_up_first=True, qkv_input_last=True, wo_flat=True), tw, plan,
+                               "target")
         with plan.context():
             lg2 = jax.jit(lambda p, t: tg2.apply(p, t, tg2.init_cache(8, 16)).logits)(
                 tg2.params, plan.put(toks8))
         info["tpu_layouts_logits_max_abs_diff"] = float(np.max(np.abs(np.asarray(lg2) - ref_logits)))
         info["tpu_layouts_specs"] = {k: [_axis(e) for e in tg2.params["layers"][k][...].sharding.spec]
-                                     for k in ("w_gate_up", "wqkv")}
+                                     for k in ("w_gate_up", "wqkv", "wo")}
         with plan.context():
             hd = jax.jit(lambda p, t: tg.apply(p, t, tg.init_cache(8, 16), return_hidden=(0, 1, 2)).hidden)(
                 tg.params, plan.put(toks8))

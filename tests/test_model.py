@@ -418,25 +418,30 @@ def test_one_row_product_is_two_rows_on_a_gpu(monkeypatch):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_tpu_layouts_give_the_same_model(seq, scan):
-    """The TPU layouts, ``gate_up_first`` (``w_gate_up [2, D, F]``) and ``qkv_input_last``
-    (``wqkv [Nkv, G+2, H, D]``), each alone and both, store the same weights and compute the
-    same logits as ``[D, 2, F]`` / ``[D, Nkv, G+2, H]``, one row and several, unrolled and
-    scanned; their logical axis names keep F on ``mlp`` and the KV groups on ``kv_heads``."""
-    cfg = tiny_config(vocab_size=8, n_layers=2, scan_layers=scan, gate_up_first=False, qkv_input_last=False)
+    """The TPU layouts, ``gate_up_first`` (``w_gate_up [2, D, F]``), ``qkv_input_last``
+    (``wqkv [Nkv, G+2, H, D]``) and ``wo_flat`` (``wo [N*H, D]``), each alone and all three,
+    store the same weights and compute the same logits as ``[D, 2, F]`` / ``[D, Nkv, G+2, H]``
+    / ``[N, H, D]``, one row and several, unrolled and scanned; their logical axis names keep
+    F on ``mlp``, the KV groups on ``kv_heads`` and the query heads on ``heads``."""
+    flags = ("gate_up_first", "qkv_input_last", "wo_flat")
+    cfg = tiny_config(vocab_size=8, n_layers=2, scan_layers=scan, **dict.fromkeys(flags, False))
     lm_f = LlamaLM.init(cfg, seed=5)
-    D, F, Nkv, G, H = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    D, F, Nkv, G, H, N = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads, cfg.group_size, cfg.head_dim, cfg.n_heads
     lead = ("layers",) if scan else ()
     layouts = {"w_gate_up": {False: ((D, 2, F), ("embed", None, "mlp")), True: ((2, D, F), (None, "embed", "mlp"))},
                "wqkv": {False: ((D, Nkv, G + 2, H), ("embed", "kv_heads", None, "head_dim")),
-                        True: ((Nkv, G + 2, H, D), ("kv_heads", None, "head_dim", "embed"))}}
+                        True: ((Nkv, G + 2, H, D), ("kv_heads", None, "head_dim", "embed"))},
+               "wo": {False: ((N, H, D), ("heads", "head_dim", "embed")), True: ((N * H, D), ("heads", "embed"))}}
+    params = {"gate_up_first": "w_gate_up", "qkv_input_last": "wqkv", "wo_flat": "wo"}
     wf = lm_f.canonical_weights()
-    for gu_first, qkv_last in ((True, False), (False, True), (True, True)):
-        lm_t = lm_f.with_config(gate_up_first=gu_first, qkv_input_last=qkv_last)
-        assert (lm_t.config.gate_up_first, lm_t.config.qkv_input_last) == (gu_first, qkv_last)
-        for lm_, flags in ((lm_f, (False, False)), (lm_t, (gu_first, qkv_last))):
+    for on in [(f,) for f in flags] + [flags]:
+        lm_t = lm_f.with_config(**{f: f in on for f in flags})
+        assert [getattr(lm_t.config, f) for f in flags] == [f in on for f in flags]
+        for lm_ in (lm_f, lm_t):
             specs = nnx.get_partition_spec(lm_.params)["layers"]
             p, spec = (lm_.params["layers"], specs) if scan else (lm_.params["layers"][0], specs[0])
-            for name, flag in zip(("w_gate_up", "wqkv"), flags):
+            for f in flags:
+                name, flag = params[f], getattr(lm_.config, f)
                 shape, names = layouts[name][flag]
                 assert p[name][...].shape[len(lead):] == shape, (name, flag)
                 assert tuple(spec[name].get_value()) == lead + names, (name, flag)
@@ -453,11 +458,12 @@ def test_tpu_layouts_give_the_same_model(seq, scan):
             cf, ct = of.cache, ot.cache
 
 
-@pytest.mark.parametrize("field", ["gate_up_first", "qkv_input_last"])
+@pytest.mark.parametrize("field", ["gate_up_first", "qkv_input_last", "wo_flat"])
 def test_tpu_layouts_auto_follow_the_backend(monkeypatch, field):
     from specjax.models import llama
 
-    default = {"gate_up_first": llama.default_gate_up_first, "qkv_input_last": llama.default_qkv_input_last}[field]
+    default = {"gate_up_first": llama.default_gate_up_first, "qkv_input_last": llama.default_qkv_input_last,
+               "wo_flat": llama.default_wo_flat}[field]
     assert [default(b) for b in ("cpu", "gpu", "cuda", "tpu")] == [False, False, False, True]
     assert getattr(tiny_config(), field) is (jax.default_backend() == "tpu")
     assert getattr(tiny_config(**{field: True}), field) is True

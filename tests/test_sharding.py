@@ -207,11 +207,12 @@ def test_logits_and_cache_shardings(multi, mesh):
     c = _case(multi, mesh)
     assert c["logits_max_abs_diff"] < 1e-5, c["logits_max_abs_diff"]
     assert c["hidden_max_abs_diff"] < 1e-5, c["hidden_max_abs_diff"]  # several layers' hidden states
-    # the TPU layouts, w_gate_up [layers, 2, D, F] and wqkv [layers, Nkv, G+2, H, D]: F and
-    # the KV groups split over "model", the same logits
+    # the TPU layouts, w_gate_up [layers, 2, D, F], wqkv [layers, Nkv, G+2, H, D] and wo
+    # [layers, N*H, D]: F, the KV groups and the heads split over "model", the same logits
     assert c["tpu_layouts_logits_max_abs_diff"] < 1e-5, c["tpu_layouts_logits_max_abs_diff"]
-    spec = {k: v + [None] * (n - len(v)) for (k, v), n in zip(c["tpu_layouts_specs"].items(), (4, 5))}
-    assert spec == {"w_gate_up": [None, None, None, "model"], "wqkv": [None, "model", None, None, None]}, spec
+    spec = {k: v + [None] * (n - len(v)) for (k, v), n in zip(c["tpu_layouts_specs"].items(), (4, 5, 3))}
+    assert spec == {"w_gate_up": [None, None, None, "model"], "wqkv": [None, "model", None, None, None],
+                    "wo": [None, "model", None]}, spec
     assert c["logits_sharding_ok"], f"logits {c['logits_spec']}, want (data, None, model)"
     assert c["target_cache_sharding_ok"], f"target cache {c['target_cache_spec']}"
     for m in METHODS:
