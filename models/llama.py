@@ -110,6 +110,8 @@ def default_scan_layers(backend: Optional[str] = None, *, dtype: str = "float32"
 # [Nkv, G+2, H, D] and wo_flat="auto" wo [N*H, D]: the backends that tile an array's two
 # minor axes (XLA:TPU)
 TILED_LAYOUT_BACKENDS = ("tpu",)
+# the LlamaConfig fields of those layouts: speed only, resolved for the machine the config is made on
+LAYOUT_FIELDS = ("gate_up_first", "qkv_input_last", "wo_flat")
 
 
 def default_gate_up_first(backend: Optional[str] = None) -> bool:
@@ -322,7 +324,7 @@ class LlamaConfig:
         ``qkv_input_last`` and ``wo_flat`` off unless they are given (the blocks' layouts),
         and a new ``scan_layers`` resolves ``qkv_input_last`` again unless it is given."""
         if changes.get("weight_blocks"):
-            for f in ("gate_up_first", "qkv_input_last", "wo_flat"):
+            for f in LAYOUT_FIELDS:
                 changes.setdefault(f, False)
         if "scan_layers" in changes:
             changes.setdefault("qkv_input_last", "auto")

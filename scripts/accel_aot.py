@@ -18,7 +18,7 @@ predicate to the host and wait; a TPU runs its control flow on the chip), the by
 kernels move, copies, the source of the kernels, and on a TPU the compiler's own estimate
 of the cycles, and the arguments the program takes in another layout than the one an array
 has by default: JAX copies such an argument to the program's layout on every call (on a
-TPU the compiler chooses the weights' layouts; on a GPU they are always the default).
+TPU the compiler chooses the weights' layouts; the GPU programs compiled here kept every default).
 
 Not a timing: XLA cannot autotune without the device (GPU matmuls keep their default
 configurations), may run runs of kernels as one CUDA graph, and a library call may launch

@@ -257,3 +257,28 @@ def test_another_feature_set_reuses_the_generated_text(prompt_files, tmp_path, t
         np.testing.assert_array_equal(first[k], second[k])
     np.testing.assert_allclose(first["topk_p"], second["topk_p"], rtol=1e-5, atol=1e-7)
     assert "features" in first and "hidden" in second and "features" not in second
+
+
+def test_independent_draft_file_leaves_the_backend_layouts_to_the_loading_machine(tmp_path):
+    """A draft exported where the TPU layouts are on (here set by hand) stores them as
+    "auto", so the machine that loads it picks its own; the weights are the same."""
+    from types import SimpleNamespace
+
+    from specjax.drafts.files import load_draft_model, read_draft
+    from specjax.models.llama import LAYOUT_FIELDS
+
+    on = tiny_config(vocab_size=32, n_layers=2, scan_layers=True, **dict.fromkeys(LAYOUT_FIELDS, True))
+    lm = LlamaLM.init(on, seed=4)
+    draft = SimpleNamespace(kind="independent", config=on, module=lm.module)
+    cfg = SimpleNamespace(train=SimpleNamespace(export_dtype="float32"), draft=SimpleNamespace(freeze_embed=False))
+    path = str(tmp_path / "d.npz")
+    T.export_draft(cfg, draft, path, {})
+    meta, _ = read_draft(path)
+    assert all(meta["config"][f] == "auto" for f in LAYOUT_FIELDS), meta["config"]
+    target = LlamaLM.init(tiny_config(vocab_size=32, n_layers=2), seed=1)
+    got = load_draft_model(path, target, param_dtype="float32")
+    want = {f: getattr(tiny_config(scan_layers=True, **dict.fromkeys(LAYOUT_FIELDS, "auto")), f) for f in LAYOUT_FIELDS}
+    assert {f: getattr(got.config, f) for f in LAYOUT_FIELDS} == want  # this machine's (False on CPU)
+    a, b = lm.canonical_weights(), got.canonical_weights()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

@@ -656,6 +656,7 @@ def build_draft(cfg: RunConfig, target, train_data) -> Draft:
 
 def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
     from specjax.drafts.files import save_draft
+    from specjax.models.llama import LAYOUT_FIELDS
 
     m = draft.module()
     dt = cfg.train.export_dtype
@@ -672,6 +673,7 @@ def export_draft(cfg: RunConfig, draft: Draft, path: str, info: dict) -> None:
         w.pop("lm_head", None)
         info["embed_from_target"] = True
     c = dataclasses.asdict(draft.config)
+    c.update(dict.fromkeys(LAYOUT_FIELDS, "auto"))  # the loading machine's layouts, not this one's
     save_draft(path, "llama", c, w, info, dtype=dt)
 
 
