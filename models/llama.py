@@ -34,15 +34,15 @@ Internal parameter layout (chosen for XLA CPU speed, measured with
 contraction made XLA transpose every weight on every call). Q, K and V are fused per KV
 group as ``wqkv [D, Nkv, G+2, H]`` (G = N / Nkv query heads, then the group's K and V
 head, so sharding ``kv_heads`` keeps groups whole; on a TPU ``[Nkv, G+2, H, D]``, see
-``LlamaConfig.qkv_input_last``), gate and up as ``w_gate_up [D, 2, F]``
-(multiplied as one ``[D, 2F]`` matrix; on a TPU ``[2, D, F]``, see ``LlamaConfig.gate_up_first``),
-``wo [N, H, D]`` (on a TPU ``[N*H, D]``, see ``LlamaConfig.wo_flat``), ``w_down [F, D]``; the (tied) embedding is stored ``[D, V]`` so the LM
-head is a plain ``x @ E`` and the token lookup gathers columns. With ``scan_layers`` the
-per-layer parameters are stacked on a leading ``layers`` axis and run in ``lax.scan``;
-otherwise each layer is its own module in an ``nnx.List`` and a Python loop unrolls them
-(faster on CPU). Both give the same logits. Attention reads the cache in ``attn_chunk``
-slot chunks only up to the longest live row (online softmax), so its cost follows the
-used length rather than ``max_len``.
+``LlamaConfig.qkv_input_last``), gate and up as ``w_gate_up [D, 2, F]`` (multiplied as one
+``[D, 2F]`` matrix; on a TPU ``[2, D, F]``, see ``LlamaConfig.gate_up_first``), ``wo [N, H,
+D]`` (on a TPU ``[N*H, D]``, see ``LlamaConfig.wo_flat``), ``w_down [F, D]``; the (tied)
+embedding is stored ``[D, V]`` so the LM head is a plain ``x @ E`` and the token lookup
+gathers columns. With ``scan_layers`` the per-layer parameters are stacked on a leading
+``layers`` axis and run in ``lax.scan``; otherwise each layer is its own module in an
+``nnx.List`` and a Python loop unrolls them (faster on CPU). Both give the same logits.
+Attention reads the cache in ``attn_chunk`` slot chunks only up to the longest live row
+(online softmax), so its cost follows the used length rather than ``max_len``.
 
 Every parameter carries logical axis names (``out_sharding`` metadata, read with
 ``nnx.get_partition_spec``) from: embed, heads, kv_heads, head_dim, mlp, vocab, layers.
@@ -1008,6 +1008,14 @@ class Block(nnx.Module):
                 return small_matmul_stacked(x2, w3, layer).reshape(B, T, -1)
         return _linear(x, self._p(name, layer).astype(dt), self.cfg.cpu_kernels)
 
+    def _contract(self, x, name, layer, axis: int):
+        """x [B, T, D] times this layer's weight ``name`` contracted on its axis ``axis``, as
+        it is stored (the TPU layouts: ``w_gate_up [2, D, F]``, ``wqkv [Nkv, G+2, H, D]``)
+        -> [B*T, the weight's other axes]."""
+        B, T, D = x.shape
+        w = self._p(name, layer).astype(self.cfg.compute_dtype)
+        return jax.lax.dot_general(x.reshape(B * T, D), w, (((1,), (axis,)), ((), ())))
+
     def _mm_blocks(self, x, name, layer):
         """:meth:`_mm` for GGUF block weights: the block kernel where it applies (a stacked
         layer read in place), else the weights rebuilt in float32 for :func:`_linear` (the
@@ -1042,11 +1050,7 @@ class Block(nnx.Module):
         off, eps, ck = cfg.norm_offset, cfg.norm_eps, cfg.cpu_kernels
 
         h = rms_norm(x, self._p("attn_norm", layer), eps, off, ck)
-        if cfg.qkv_input_last:  # [Nkv, G+2, H, D]: contracted as it is (-> [B*T, Nkv, G+2, H])
-            w = self._p("wqkv", layer).astype(dt)
-            qkv = jax.lax.dot_general(h.reshape(B * T, D), w, (((1,), (3,)), ((), ())))
-        else:
-            qkv = self._mm(h, "wqkv", layer)
+        qkv = self._contract(h, "wqkv", layer, 3) if cfg.qkv_input_last else self._mm(h, "wqkv", layer)
         qkv = qkv.reshape(B, T, Nkv, G + 2, H)
         if cfg.qkv_bias:
             qkv = qkv + self._p("bqkv", layer).astype(dt)
@@ -1073,12 +1077,8 @@ class Block(nnx.Module):
         x = constrain(x, ("batch", None, "embed"))
 
         h = rms_norm(x, self._p("mlp_norm", layer), eps, off, ck)
-        if cfg.gate_up_first:  # [2, D, F]: contracted as it is (-> [B*T, 2, F])
-            w = self._p("w_gate_up", layer).astype(dt)
-            gu = jax.lax.dot_general(h.reshape(B * T, D), w, (((1,), (1,)), ((), ())))
-            gu = gu.reshape(B, T, 2, cfg.ffn_dim)
-        else:
-            gu = self._mm(h, "w_gate_up", layer).reshape(B, T, 2, cfg.ffn_dim)
+        gu = self._contract(h, "w_gate_up", layer, 1) if cfg.gate_up_first else self._mm(h, "w_gate_up", layer)
+        gu = gu.reshape(B, T, 2, cfg.ffn_dim)
         if cfg.mlp_act == "gelu_tanh":
             a = jax.nn.gelu(gu[:, :, 0], approximate=True) * gu[:, :, 1]
         else:

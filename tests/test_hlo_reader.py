@@ -301,7 +301,6 @@ def test_accel_aot_without_the_chips_compiler_exits_2(monkeypatch, capsys):
         assert e.value.code == 2 and what in err and len(err.strip().splitlines()) == 1, err
 
 
-
 def test_arguments_taken_in_another_layout_are_counted():
     """``relaid_out``: the bytes of the arguments whose compiled layout is not an array's
     default (JAX copies them on every call); default layouts count nothing."""
