@@ -33,7 +33,9 @@ come from the ``_CANDIDATES`` largest values per row (``lax.top_k``), which is e
 whenever the cut lies among them; rows where it does not (top_k > _CANDIDATES, or a
 nucleus wider than the candidates) get the exact threshold from a 32-step binary search
 over the ordered float32 bit patterns (again behind a batch-level ``lax.cond``; with
-``V <= _CANDIDATES`` every value is a candidate and that path is not even compiled).  Call
+``V <= _CANDIDATES`` every value is a candidate and that path is not even compiled; on a
+GPU, :func:`fixed_cut`, a search with a fixed number of steps over every row instead, the
+same threshold without the cond's host sync).  Call
 ``process_logits`` on the whole batch, not under ``jax.vmap`` (``vmap`` turns ``cond``
 into ``select`` and every branch would run).
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 from typing import Callable, Optional, Sequence, Union
 
 import flax.struct
@@ -351,6 +354,52 @@ def _bisect_threshold(z, mass, target, lo, hi):
     return _from_ordered_key(hi)
 
 
+# :func:`_lift_threshold` settles 8 bits of the answer per step (4 steps of 255 probes a row)
+# where rows x 255 x V stays within this many compared values, else 4 (8 steps of 15 probes)
+_LIFT_WIDE = 1 << 26
+_SIGN = 0x80000000
+
+
+def _lift_bits(rows: int, v: int) -> int:
+    return 8 if rows * 255 * v <= _LIFT_WIDE else 4
+
+
+def _lift_threshold(z, mass, target, lo, hi, bits: Optional[int] = None):
+    """:func:`_bisect_threshold`'s t, found in 32 / ``bits`` steps that each test
+    2**bits - 1 thresholds per row at once (a fixed count of steps and no loop: the form
+    for :func:`fixed_cut`; ``bits`` 4 or 8, by default :func:`_lift_bits`: on a GPU each
+    step is ~4 small kernels, and a one-row pass has the compute to test 255 at once).
+
+    Binary lifting over the unsigned ordered keys u of [u(lo), u(hi)]: ``c`` counts the
+    keys known to fail ``sum(mass[z > t]) < target`` (the predicate rises once, from false
+    to true, as t grows: removing terms never raises a rounded sum of non-negative terms),
+    and step b adds to it j * 2**b for the largest j whose probe u(lo) + c + j * 2**b - 1
+    still fails; ``c`` is a multiple of 2**(b + bits) then, so no offset wraps. The sums
+    are :func:`row_sum`'s, as the bisection's: on the CPU the same bits, so the same t.
+    """
+    bits = _lift_bits(*z.shape) if bits is None else bits
+    if 32 % bits:
+        raise ValueError(f"bits must divide 32, got {bits}")
+    def unsigned(x):
+        return jax.lax.bitcast_convert_type(_ordered_key(x), jnp.uint32) ^ jnp.uint32(_SIGN)
+
+    base = unsigned(lo)
+    span = unsigned(hi) - base  # the answer is base + c with c <= span
+    c = jnp.zeros_like(base)
+    j = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)
+    for b in range(32 - bits, -1, -bits):
+        off = c[:, None] + j * jnp.uint32(1 << b)  # [R, P]
+        inside = off - 1 < span[:, None]  # probes at or past hi hold (they are not tested)
+        probe = _from_ordered_key(jax.lax.bitcast_convert_type(
+            (base[:, None] + off - 1) ^ jnp.uint32(_SIGN), jnp.int32))
+        above = z[:, None, :] > probe[:, :, None]  # [R, P, V]
+        s = (jnp.sum(above, axis=-1, dtype=jnp.int32) if mass is None
+             else row_sum(jnp.where(above, mass[:, None, :], 0.0)))
+        fails = inside & ~(s < target[:, None])
+        c = c + jnp.sum(fails, axis=-1, dtype=jnp.uint32) * jnp.uint32(1 << b)
+    return _from_ordered_key(jax.lax.bitcast_convert_type((base + c) ^ jnp.uint32(_SIGN), jnp.int32))
+
+
 def _mass_above(c, pc):
     """For c [N, M] sorted descending with masses pc: S_j = sum of pc_i over c_i > c_j."""
     m = c.shape[-1]
@@ -412,6 +461,31 @@ def _log_mass(z):
     return jnp.log(row_sum(jnp.exp(z)))
 
 
+# backends where the exact cut of the rows whose cut is not among the candidates is found
+# without a conditional (:func:`fixed_cut`)
+FIXED_CUT_BACKENDS = ("gpu",)
+
+
+def fixed_cut() -> bool:
+    """Whether the pipeline finds the exact top-k / top-p cut of rows whose cut is not among
+    the candidates by a fixed search over every row (:func:`_lift_threshold`, ~16 more
+    kernels per filtered pass) instead of a batch-level ``lax.cond`` over the few such rows
+    (:func:`_exact_thresholds`). The cond's predicate depends on the logits, so no batch hint
+    can decide it, and on a GPU it is a copy to the host and a wait for the stream per
+    pipeline pass whenever a filter is on (the CLI's default top-p 0.9: four per K=3 round,
+    one per autoregressive step, beside the loop's own). ``$SPECJAX_FIXED_CUT`` (1 / 0),
+    else :data:`FIXED_CUT_BACKENDS`; read when a program is traced. The same thresholds
+    either way (on the CPU the same bits, tested)."""
+    env = os.environ.get("SPECJAX_FIXED_CUT", "").strip().lower()
+    if env in ("1", "on", "true"):
+        return True
+    if env in ("0", "off", "false"):
+        return False
+    if env not in ("", "auto"):
+        raise ValueError(f"SPECJAX_FIXED_CUT must be 1, 0 or auto, got {env!r}")
+    return jax.default_backend() in FIXED_CUT_BACKENDS
+
+
 def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):
     """Recompute (t_k, t_p) by bisection for the rows flagged ``slow``, _SLOW_ROWS at a time.
 
@@ -463,6 +537,16 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     # The cut lies among the candidates iff the last one is already cut (or -inf).
     resolved = (c[:, -1] == _NEG_INF) | (above[:, -1] >= top_p)
     slow = slow_k | (topp_on & ~resolved)
+    if fixed_cut():
+        # every row searched, the slow rows' results kept: the same thresholds, no conditional
+        neg, zero = jnp.full((n,), _NEG_INF, jnp.float32), jnp.zeros((n,), jnp.float32)
+        h = current_hints(v)
+        if h is None or h.wide_top_k is not False:
+            t_k = jnp.where(slow_k, _lift_threshold(z, None, top_k, neg, zero), t_k)
+        zk = jnp.where(z >= t_k[:, None], z, _NEG_INF)
+        pk = jnp.exp(zk - _log_mass(zk)[:, None])
+        tp = jnp.where(top_p < 1, _lift_threshold(zk, pk, top_p, neg, zero), _NEG_INF)
+        return jnp.maximum(t_k, jnp.where(slow, tp, t_p))
     t_k, t_p = jax.lax.cond(
         jnp.any(slow),
         lambda a: _exact_thresholds(z, top_k, top_p, topk_on, slow_k, *a, slow),
@@ -482,12 +566,15 @@ class BatchHints:
     * ``filters``: some non-greedy row has top-p < 1 or 0 < top-k < ``vocab`` (True), or none
       has (False);
     * ``penalties``: the call's ``use_penalties``;
+    * ``wide_top_k``: some non-greedy row has a top-k past the candidates (``_CANDIDATES <
+      top_k < vocab``): only then does :func:`fixed_cut`'s search for the top-k cut run;
     * ``vocab``: the vocabulary the first two were decided for (logits of another width keep
       their conds)."""
     greedy: Optional[bool]
     filters: bool
     penalties: bool
     vocab: int
+    wide_top_k: Optional[bool] = None
 
 
 def hints_for(params: "SamplingParams", vocab: int, use_penalties: bool) -> BatchHints:
@@ -497,8 +584,10 @@ def hints_for(params: "SamplingParams", vocab: int, use_penalties: bool) -> Batc
                                           np.asarray(params.top_k, np.int32), np.asarray(params.top_p, np.float32))
     greedy = t == 0
     on = (((top_k > 0) & (top_k < vocab)) | (top_p < 1)) & ~greedy  # as _filtered's topk_on | topp_on
+    wide = (top_k > _CANDIDATES) & (top_k < vocab) & ~greedy  # as _filter_threshold's slow_k
     return BatchHints(greedy=bool(greedy.all()) if greedy.all() or not greedy.any() else None,
-                      filters=bool(on.any()), penalties=bool(use_penalties), vocab=int(vocab))
+                      filters=bool(on.any()), penalties=bool(use_penalties), vocab=int(vocab),
+                      wide_top_k=bool(wide.any()))
 
 
 _HINTS: contextvars.ContextVar = contextvars.ContextVar("specjax_batch_hints", default=None)

@@ -31,13 +31,19 @@ CONFIGS = {
 def test_hints_for_decides_as_the_program_would():
     mk = sampling.SamplingParams.create
     h = sampling.hints_for(mk(3, temperature=0.0, top_p=0.5, top_k=2), V, False)
-    assert h == sampling.BatchHints(greedy=True, filters=False, penalties=False, vocab=V)  # greedy rows ignore filters
+    assert h == sampling.BatchHints(greedy=True, filters=False, penalties=False, vocab=V,
+                                    wide_top_k=False)  # greedy rows ignore filters
     h = sampling.hints_for(mk(2, temperature=[1.0, 0.5], top_k=[0, V]), V, True)
     assert (h.greedy, h.filters, h.penalties) == (False, False, True)  # top-k 0 and >= V are off
     assert sampling.hints_for(mk(2, temperature=1.0, top_k=[0, V - 1]), V, False).filters is True
     assert sampling.hints_for(mk(2, temperature=[0.0, 1.0], top_p=[0.5, 1.0]), V, False).greedy is None
     assert sampling.hints_for(mk(2, temperature=[0.0, 1.0], top_p=[0.5, 1.0]), V, False).filters is False
     assert sampling.hints_for(mk(2, temperature=[0.0, 1.0], top_p=[1.0, 0.5]), V, False).filters is True
+    # a top-k past the pipeline's candidates, on a sampled row and below the vocabulary
+    wide = lambda **kw: sampling.hints_for(mk(2, **kw), 1000, False).wide_top_k  # noqa: E731
+    assert wide(temperature=1.0, top_k=[0, 257]) is True
+    assert wide(temperature=1.0, top_k=[256, 1000]) is False
+    assert wide(temperature=[1.0, 0.0], top_k=[3, 500]) is False
 
 
 def test_resolve_batch_hints(monkeypatch):
@@ -120,3 +126,35 @@ def test_dataset_hints_come_from_the_whole_dataset(target, draft):
     a = off.generate_dataset(prompts, batch_size=4, **kw)
     b = on.generate_dataset(prompts, batch_size=4, **kw)
     assert a.tokens == b.tokens
+
+
+def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch):
+    """A vocabulary past the pipeline's candidates (cut to 16 here) and near-flat logits:
+    top-p 0.95 cuts beyond the candidates, so the exact cut is searched for. Found without a conditional
+    (``SPECJAX_FIXED_CUT=1``, the GPU form) it gives the conditional's tokens and statistics,
+    and with batch hints the chain's and the autoregressive programs keep no conditional
+    at all (with the conditional form each keeps one per pipeline pass)."""
+    from specjax.models import LlamaLM
+    from specjax.models.llama import tiny_config
+
+    import jax
+
+    target = LlamaLM.init(tiny_config(vocab_size=600, n_layers=1), seed=5)
+    draft = LlamaLM.init(tiny_config(vocab_size=600, n_layers=1), seed=6)
+    cfg = sampling.SamplingConfig(temperature=1.0, top_p=0.95)
+    monkeypatch.setattr(sampling, "_CANDIDATES", 16)
+    runs, conds = {}, {}
+    for fixed in ("0", "1"):
+        monkeypatch.setenv("SPECJAX_FIXED_CUT", fixed)
+        jax.clear_caches()  # the form is read when a program is traced
+        for kind in ("autoregressive", "token"):
+            eng = _engines(kind, target, draft, True)
+            runs[fixed, kind] = eng.generate(PROMPTS, seed=4, sampling_params=cfg, max_new_tokens=10)
+            conds[fixed, kind] = _conditionals(eng, cfg)
+    jax.clear_caches()
+    for kind in ("autoregressive", "token"):
+        a, b = runs["0", kind], runs["1", kind]
+        assert a.tokens == b.tokens, kind
+        for key in a.raw.keys() - {"proposer_state"}:
+            np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
+        assert conds["1", kind] == 0 < conds["0", kind], (kind, conds)

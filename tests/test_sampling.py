@@ -310,3 +310,91 @@ def test_row_sum_off_cpu_is_one_reduce_with_the_same_sums(monkeypatch, target, d
     pairwise = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
     # the program really took the other path: fewer ops than the pairwise one
     assert len(hlo) < len(pairwise.lower(prompts, seed=1, max_new_tokens=12, sampling_params=greedy).as_text())
+
+
+def _cut_program(logits, params, fixed, monkeypatch, hints=None):
+    """process_logits traced with the exact cut by conditional (fixed=False) or by the
+    fixed search: its output and its jaxpr."""
+    from specjax import sampling
+
+    monkeypatch.setenv("SPECJAX_FIXED_CUT", "1" if fixed else "0")
+
+    def fn(x, p):
+        with sampling.batch_hints(hints):
+            return sampling.process_logits(x, p)
+    jaxpr = str(jax.make_jaxpr(fn)(logits, params))
+    return np.asarray(jax.jit(fn)(logits, params)), jaxpr
+
+
+@pytest.mark.parametrize("v", [700, 5000])
+def test_fixed_cut_gives_the_conditional_cut_bit_for_bit(monkeypatch, v):
+    """The exact top-k / top-p cut of rows whose cut is not among the candidates, found by
+    the fixed search over every row (the GPU form: no conditional, whose predicate would be a
+    host sync per pass there): the same output bits as the conditional bisection on this CPU
+    (the same sums), the documented law, and no conditional or loop left for it."""
+    from specjax import sampling
+
+    rng = np.random.default_rng(v)
+    b = 24
+    logits = _random_batch(rng, b, v, 1.0)  # flat rows: wide nuclei
+    logits[2:6] *= 8.0  # peaked rows: the cut among the candidates
+    t = rng.choice([0.3, 1.0, 1.7], b).astype(np.float32)
+    k = rng.choice([0, 3, 300, 600], b).astype(np.int32)
+    p = rng.choice([1.0, 0.5, 0.9, 0.99], b).astype(np.float32)
+    params = SamplingParams.create(b, t, k, p)
+    cond, cond_jaxpr = _cut_program(logits, params, False, monkeypatch)
+    fixed, fixed_jaxpr = _cut_program(logits, params, True, monkeypatch)
+    assert np.isfinite(cond).sum(-1).max() > sampling._CANDIDATES  # the cut was searched for
+    np.testing.assert_array_equal(fixed, cond)
+    _assert_matches(fixed, logits, t, k, p, np.zeros(b, np.float32))
+    assert fixed_jaxpr.count(" cond[") == cond_jaxpr.count(" cond[") - 1 and " while[" not in fixed_jaxpr
+    # the top-k search is left out where the hints rule a wide top-k out; it is needed here
+    hints = sampling.hints_for(params, v, False)
+    assert hints.wide_top_k
+    narrow, narrow_jaxpr = _cut_program(logits, params, True, monkeypatch,
+                                        dataclasses.replace(hints, wide_top_k=False))
+    assert len(narrow_jaxpr) < len(fixed_jaxpr)
+    wide = k > sampling._CANDIDATES
+    np.testing.assert_array_equal(narrow[~wide], fixed[~wide])
+    assert not np.array_equal(np.isfinite(narrow[wide]), np.isfinite(fixed[wide]))
+
+
+def test_fixed_cut_resolves_from_the_environment(monkeypatch):
+    from specjax import sampling
+
+    monkeypatch.delenv("SPECJAX_FIXED_CUT", raising=False)
+    assert sampling.fixed_cut() is False  # a CPU
+    monkeypatch.setattr(sampling, "FIXED_CUT_BACKENDS", ("cpu",))
+    assert sampling.fixed_cut() is True
+    monkeypatch.setenv("SPECJAX_FIXED_CUT", "0")
+    assert sampling.fixed_cut() is False
+    monkeypatch.setenv("SPECJAX_FIXED_CUT", "sometimes")
+    with pytest.raises(ValueError, match="SPECJAX_FIXED_CUT"):
+        sampling.fixed_cut()
+
+
+def test_fixed_search_finds_the_bisections_threshold():
+    """_lift_threshold against _bisect_threshold, threshold bits compared (a kept set hides a
+    threshold a few keys off): counts and masses, ties and -inf, the pipeline's bracket
+    [-inf, 0] and brackets whose upper end fails the rule (both return it)."""
+    from specjax import sampling
+
+    rng = np.random.default_rng(7)
+    r, v = 32, 400
+    z = -np.abs(rng.normal(size=(r, v)) * rng.choice([0.01, 1.0, 30.0], (r, 1))).astype(np.float32)
+    z[:, :8] = np.round(z[:, :8])  # ties
+    z[3, 10:] = -np.inf
+    z[4] = np.float32(-1.0) - np.arange(v, dtype=np.float32) * np.spacing(np.float32(1))  # adjacent keys
+    z -= z.max(-1, keepdims=True)
+    mass = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    count = rng.integers(1, v + 1, r).astype(np.int32)
+    share = rng.choice([0.05, 0.5, 0.9, 0.999], r).astype(np.float32)
+    lo = np.where(rng.random(r) < 0.5, -np.inf, np.sort(z, -1)[:, v // 4]).astype(np.float32)
+    hi = np.where(rng.random(r) < 0.5, 0.0, np.sort(z, -1)[:, v // 2]).astype(np.float32)
+    for m, target in ((None, count), (mass, share)):
+        for a, b in ((np.full(r, -np.inf, np.float32), np.zeros(r, np.float32)), (lo, hi)):
+            want = jax.jit(lambda *x, m=m: sampling._bisect_threshold(x[0], m, *x[1:]))(z, target, a, b)
+            for bits in (4, 8):  # 8: 255 probes a step, what one-row passes take
+                got = jax.jit(lambda *x, m=m, bits=bits: sampling._lift_threshold(x[0], m, *x[1:], bits=bits))(
+                    z, target, a, b)
+                np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(want).view(np.int32))
