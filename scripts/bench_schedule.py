@@ -68,7 +68,7 @@ def grid(a, target, draft, tok, lines):
             engines[f"K={k}"] = build.make_engine(target, draft, k)
         engines["K=auto"] = build.make_engine(target, draft, "auto")
         for t in a.temps:
-            sp = sampling.SamplingConfig(temperature=t)
+            sp = sampling.SamplingConfig(temperature=t, top_p=a.top_p)
             kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.max_new)
             for name, eng in engines.items():
                 t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def grid(a, target, draft, tok, lines):
             base = float(np.median(times["autoregressive"]))
             for name in engines:
                 med = float(np.median(times[name]))
-                rows.append(dict(batch=b, temperature=t, setting=name, seconds=med,
+                rows.append(dict(batch=b, temperature=t, top_p=a.top_p, setting=name, seconds=med,
                                  tok_s=b * a.max_new / med, speedup=base / med, **info.get(name, {})))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -176,6 +176,8 @@ def main():
     ap.add_argument("--temps", type=_csv(float), default=(0.0, 1.0))
     ap.add_argument("--ks", type=_csv(int), default=(2, 3))
     ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="top-p of the grid's sampled rows (1: off; the CLI's default is 0.9)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dataset-prompts", type=int, default=64)
     ap.add_argument("--dataset-batch", type=int, default=16)
@@ -204,12 +206,15 @@ def main():
     if bad or a.dataset_repeats < 1 or not a.dataset_settings or not a.dataset_modes:
         ap.error(f"--dataset-settings: ar,k,auto; --dataset-modes: {','.join(DATASET_MODES)}; "
                  f"--dataset-repeats >= 1 (got {', '.join(bad) or a.dataset_repeats})")
+    if not 0 < a.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {a.top_p}")
     target, tok, _ = build.load_target("default")
     draft, _ = build.resolve_draft("default", target)
     hints = resolve_batch_hints()  # the engines' (build.make_engine leaves it to the backend / env)
     device = jax.devices()[0].device_kind
     lines = [f"command: `python {shlex.join(['scripts/bench_schedule.py'] + sys.argv[1:])}`",
-             f"cost file: {cost_file()}", f"device: {device}; batch hints: {'on' if hints else 'off'}"]
+             f"cost file: {cost_file()}", f"device: {device}; batch hints: {'on' if hints else 'off'}; "
+             f"exact cut without a conditional: {'on' if sampling.fixed_cut() else 'off'}"]
     out = {"grid": [], "dataset": [], "device": device, "batch_hints": hints}
     if not a.skip_grid:
         out["grid"] = grid(a, target, draft, tok, lines)
