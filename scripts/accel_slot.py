@@ -148,7 +148,7 @@ def _syncs(sched: list, limit: int) -> list:
     (every sampling cond a host sync per round on a GPU), on (the GPU default), and on with
     conditionals and while loops in XLA's command buffers; at T = 1 with top-p 0.9 (the
     CLI's default) with the exact cut by a conditional per pipeline pass and by the fixed
-    search (the GPU default, ``sampling.fixed_cut``); plus a profile of rounds with the hints
+    search (the GPU default, ``sampling.sync_free``); plus a profile of rounds with the hints
     on, for the conditionals each round still runs."""
     env = lambda hints, *extra: ["env", f"SPECJAX_BATCH_HINTS={hints}", *extra]  # noqa: E731
     top_p = list(sched) + ["--top-p", "0.9"]
@@ -156,8 +156,8 @@ def _syncs(sched: list, limit: int) -> list:
     return [("schedule-hints-off", env(0) + sched + ["--out", "{out}/syncs_off"], limit),
             ("schedule-hints-on", env(1) + sched + ["--out", "{out}/syncs_on"], limit),
             ("schedule-hints-graphs", env(1, f"XLA_FLAGS={GRAPH_FLAGS}") + sched + ["--out", "{out}/syncs_graphs"], limit),
-            ("schedule-top-p-cond", env(1, "SPECJAX_FIXED_CUT=0") + top_p + ["--out", "{out}/syncs_top_p_cond"], limit),
-            ("schedule-top-p-fixed", env(1, "SPECJAX_FIXED_CUT=1") + top_p + ["--out", "{out}/syncs_top_p_fixed"], limit),
+            ("schedule-top-p-cond", env(1, "SPECJAX_SYNC_FREE=0") + top_p + ["--out", "{out}/syncs_top_p_cond"], limit),
+            ("schedule-top-p-fixed", env(1, "SPECJAX_SYNC_FREE=1") + top_p + ["--out", "{out}/syncs_top_p_fixed"], limit),
             ("round-k3-t1-hints", env(1) + [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "1",
                                             "--prompts", "2", "--tokens", "32", "--no-hlo", "--out",
                                             "{out}/profile_hints"], limit)]

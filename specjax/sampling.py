@@ -34,7 +34,7 @@ whenever the cut lies among them; rows where it does not (top_k > _CANDIDATES, o
 nucleus wider than the candidates) get the exact threshold from a 32-step binary search
 over the ordered float32 bit patterns (again behind a batch-level ``lax.cond``; with
 ``V <= _CANDIDATES`` every value is a candidate and that path is not even compiled; on a
-GPU, :func:`fixed_cut`, a search with a fixed number of steps over every row instead, the
+GPU, :func:`sync_free`, a search with a fixed number of steps over every row instead, the
 same threshold without the cond's host sync).  Call
 ``process_logits`` on the whole batch, not under ``jax.vmap`` (``vmap`` turns ``cond``
 into ``select`` and every branch would run).
@@ -367,7 +367,7 @@ def _lift_bits(rows: int, v: int) -> int:
 def _lift_threshold(z, mass, target, lo, hi, bits: Optional[int] = None):
     """:func:`_bisect_threshold`'s t, found in 32 / ``bits`` steps that each test
     2**bits - 1 thresholds per row at once (a fixed count of steps and no loop: the form
-    for :func:`fixed_cut`; ``bits`` 4 or 8, by default :func:`_lift_bits`: on a GPU each
+    for :func:`sync_free`; ``bits`` 4 or 8, by default :func:`_lift_bits`: on a GPU each
     step is ~4 small kernels, and a one-row pass has the compute to test 255 at once).
 
     Binary lifting over the unsigned ordered keys u of [u(lo), u(hi)]: ``c`` counts the
@@ -461,29 +461,34 @@ def _log_mass(z):
     return jnp.log(row_sum(jnp.exp(z)))
 
 
-# backends where the exact cut of the rows whose cut is not among the candidates is found
-# without a conditional (:func:`fixed_cut`)
-FIXED_CUT_BACKENDS = ("gpu",)
+# backends where a round's data-dependent control flow takes its sync-free form (:func:`sync_free`)
+SYNC_FREE_BACKENDS = ("gpu",)
 
 
-def fixed_cut() -> bool:
-    """Whether the pipeline finds the exact top-k / top-p cut of rows whose cut is not among
-    the candidates by a fixed search over every row (:func:`_lift_threshold`, ~16 more
-    kernels per filtered pass) instead of a batch-level ``lax.cond`` over the few such rows
-    (:func:`_exact_thresholds`). The cond's predicate depends on the logits, so no batch hint
-    can decide it, and on a GPU it is a copy to the host and a wait for the stream per
-    pipeline pass whenever a filter is on (the CLI's default top-p 0.9: four per K=3 round,
-    one per autoregressive step, beside the loop's own). ``$SPECJAX_FIXED_CUT`` (1 / 0),
-    else :data:`FIXED_CUT_BACKENDS`; read when a program is traced. The same thresholds
-    either way (on the CPU the same bits, tested)."""
-    env = os.environ.get("SPECJAX_FIXED_CUT", "").strip().lower()
+def sync_free() -> bool:
+    """Whether the programs take the sync-free form of the two data-dependent control flows
+    of a round that no batch hint can decide, because their predicates depend on the logits
+    and the draws: on a GPU each would be a copy to the host and a wait for the stream.
+
+    * The exact top-k / top-p cut of rows whose cut is not among the candidates: found by a
+      search over every row with a fixed number of steps (:func:`_lift_threshold`, 14-28 more
+      kernels per filtered pass) instead of a batch-level ``lax.cond`` over the few such rows
+      (:func:`_exact_thresholds`): with the CLI's default top-p 0.9, a cond per pipeline
+      pass, four per K=3 round and one per autoregressive step beside the loop's own.
+    * A sampled tree's descent (:func:`specjax.tree.descend`): a loop over every node with a
+      known trip count, finished nodes masked, instead of a ``while`` over the nodes tried
+      (one predicate per tried node).
+
+    ``$SPECJAX_SYNC_FREE`` (1 / 0), else :data:`SYNC_FREE_BACKENDS`; read when a program is
+    traced. The same results either way (on the CPU the same bits, tested)."""
+    env = os.environ.get("SPECJAX_SYNC_FREE", "").strip().lower()
     if env in ("1", "on", "true"):
         return True
     if env in ("0", "off", "false"):
         return False
     if env not in ("", "auto"):
-        raise ValueError(f"SPECJAX_FIXED_CUT must be 1, 0 or auto, got {env!r}")
-    return jax.default_backend() in FIXED_CUT_BACKENDS
+        raise ValueError(f"SPECJAX_SYNC_FREE must be 1, 0 or auto, got {env!r}")
+    return jax.default_backend() in SYNC_FREE_BACKENDS
 
 
 def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):
@@ -537,7 +542,7 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     # The cut lies among the candidates iff the last one is already cut (or -inf).
     resolved = (c[:, -1] == _NEG_INF) | (above[:, -1] >= top_p)
     slow = slow_k | (topp_on & ~resolved)
-    if fixed_cut():
+    if sync_free():
         # every row searched, the slow rows' results kept: the same thresholds, no conditional
         neg, zero = jnp.full((n,), _NEG_INF, jnp.float32), jnp.zeros((n,), jnp.float32)
         h = current_hints(v)
@@ -567,7 +572,7 @@ class BatchHints:
       has (False);
     * ``penalties``: the call's ``use_penalties``;
     * ``wide_top_k``: some non-greedy row has a top-k past the candidates (``_CANDIDATES <
-      top_k < vocab``): only then does :func:`fixed_cut`'s search for the top-k cut run;
+      top_k < vocab``): only then does :func:`sync_free`'s search for the top-k cut run;
     * ``vocab``: the vocabulary the first two were decided for (logits of another width keep
       their conds)."""
     greedy: Optional[bool]

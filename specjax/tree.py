@@ -68,7 +68,7 @@ import numpy as np
 
 from specjax import keys as _keys
 from specjax import verify as _verify
-from specjax.sampling import logsumexp, sample
+from specjax.sampling import logsumexp, sample, sync_free
 
 __all__ = [
     "ROOT", "CANDIDATES", "DraftTree", "TreeVerifyResult", "TreeLaw",
@@ -455,7 +455,9 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int):
     A ``while_loop`` over the nodes actually tried (the first valid child of the current
     context, then its next valid sibling after a rejection), so a round costs the few
     residual updates it makes rather than one per node. The same decisions, in the same
-    order, as a pass over all nodes in index order (:func:`law_scan`'s)."""
+    order, as a pass over all nodes in index order (:func:`law_scan`'s). Where
+    :func:`specjax.sampling.sync_free` (a GPU: a ``while`` whose predicate depends on the data
+    is a host sync per iteration there) a loop of n steps instead, the same decisions."""
     n = tree.tokens.shape[0]
     log_u = jnp.log(_acceptance_uniforms(key, n))
     ctx = tree.parent + 1
@@ -478,7 +480,13 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int):
 
     init = (first[0], jnp.int32(0), P[0], jnp.zeros((), P.dtype), Q[0], jnp.int32(0),
             jnp.full((max_depth,), -1, jnp.int32))
-    _, cur, r, lz, _, num, path = jax.lax.while_loop(lambda c: c[0] < n, body, init)
+    if sync_free():
+        # no node is tried twice, so n steps try them all; a finished descent keeps its state
+        def masked(_, carry):
+            return jax.tree.map(lambda a, b: jnp.where(carry[0] < n, b, a), carry, body(carry))
+        _, cur, r, lz, _, num, path = jax.lax.fori_loop(0, n, masked, init)
+    else:
+        _, cur, r, lz, _, num, path = jax.lax.while_loop(lambda c: c[0] < n, body, init)
     return cur, num, path, r, lz
 
 

@@ -131,7 +131,7 @@ def test_dataset_hints_come_from_the_whole_dataset(target, draft):
 def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch):
     """A vocabulary past the pipeline's candidates (cut to 16 here) and near-flat logits:
     top-p 0.95 cuts beyond the candidates, so the exact cut is searched for. Found without a conditional
-    (``SPECJAX_FIXED_CUT=1``, the GPU form) it gives the conditional's tokens and statistics,
+    (``SPECJAX_SYNC_FREE=1``, the GPU form) it gives the conditional's tokens and statistics,
     and with batch hints the chain's and the autoregressive programs keep no conditional
     at all (with the conditional form each keeps one per pipeline pass)."""
     from specjax.models import LlamaLM
@@ -145,7 +145,7 @@ def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch)
     monkeypatch.setattr(sampling, "_CANDIDATES", 16)
     runs, conds = {}, {}
     for fixed in ("0", "1"):
-        monkeypatch.setenv("SPECJAX_FIXED_CUT", fixed)
+        monkeypatch.setenv("SPECJAX_SYNC_FREE", fixed)
         jax.clear_caches()  # the form is read when a program is traced
         for kind in ("autoregressive", "token"):
             eng = _engines(kind, target, draft, True)

@@ -266,18 +266,26 @@ def test_asynchronous_starts_and_unfused_slices_count_their_data_once():
 def test_programs_traced_for_a_gpu_sync_once_per_round(target, draft, monkeypatch, temperature):
     """The programs as a GPU backend gets them (traced with ``jax.default_backend()`` reading
     "gpu", compiled here): per iteration of the decode loop, one host sync (the loop's own
-    predicate) for a plain step, a chain round and a prompt-lookup round: batch hints
-    decide the sampling conds and ``engine.skip_empty_rounds`` drops the "nothing drafted"
-    one. On a GPU each conditional in a round is a predicate copied to the host."""
+    predicate) for a plain step, a chain round, a prompt-lookup round and an EAGLE tree round
+    (greedy top-k tree at T = 0, sampled tree at T = 1): batch hints decide the sampling
+    conds, ``engine.skip_empty_rounds`` drops the "nothing drafted" one and the sampled
+    tree's descent runs a known number of steps (``sampling.sync_free``). On a GPU each
+    conditional or data-dependent loop in a round is a predicate copied to the host."""
     from specjax import engine, sampling
     from specjax.drafts import DraftModelProposer, PromptLookupProposer
+    from specjax.drafts.trees import make_tree_proposer
+    from specjax.models.eagle import EagleConfig, EagleModel
 
     monkeypatch.delenv("SPECJAX_BATCH_HINTS", raising=False)
+    monkeypatch.delenv("SPECJAX_SYNC_FREE", raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cfg = sampling.SamplingConfig(temperature=temperature)
+    head = EagleModel.for_target(target, EagleConfig.for_target(target.config, n_heads=4, n_kv_heads=2,
+                                                                head_dim=8, ffn_dim=32), seed=3)
     engines = {"autoregressive": engine.AutoregressiveEngine(target),
                "chain": engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token"),
-               "lookup": engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=8, k=3), "token")}
+               "lookup": engine.SpeculativeEngine(target, PromptLookupProposer(vocab_size=8, k=3), "token"),
+               "tree": engine.SpeculativeEngine(target, make_tree_proposer(head, 2, 2, 5, "iid", (2, 1)), "tree")}
     for name, eng in engines.items():
         assert eng.batch_hints, name  # the GPU default
         text = eng.lower([[1, 2, 3], [4, 5]], seed=0, sampling_params=cfg, max_new_tokens=8).compile().as_text()

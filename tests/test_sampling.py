@@ -317,7 +317,7 @@ def _cut_program(logits, params, fixed, monkeypatch, hints=None):
     fixed search: its output and its jaxpr."""
     from specjax import sampling
 
-    monkeypatch.setenv("SPECJAX_FIXED_CUT", "1" if fixed else "0")
+    monkeypatch.setenv("SPECJAX_SYNC_FREE", "1" if fixed else "0")
 
     def fn(x, p):
         with sampling.batch_hints(hints):
@@ -362,15 +362,15 @@ def test_fixed_cut_gives_the_conditional_cut_bit_for_bit(monkeypatch, v):
 def test_fixed_cut_resolves_from_the_environment(monkeypatch):
     from specjax import sampling
 
-    monkeypatch.delenv("SPECJAX_FIXED_CUT", raising=False)
-    assert sampling.fixed_cut() is False  # a CPU
-    monkeypatch.setattr(sampling, "FIXED_CUT_BACKENDS", ("cpu",))
-    assert sampling.fixed_cut() is True
-    monkeypatch.setenv("SPECJAX_FIXED_CUT", "0")
-    assert sampling.fixed_cut() is False
-    monkeypatch.setenv("SPECJAX_FIXED_CUT", "sometimes")
-    with pytest.raises(ValueError, match="SPECJAX_FIXED_CUT"):
-        sampling.fixed_cut()
+    monkeypatch.delenv("SPECJAX_SYNC_FREE", raising=False)
+    assert sampling.sync_free() is False  # a CPU
+    monkeypatch.setattr(sampling, "SYNC_FREE_BACKENDS", ("cpu",))
+    assert sampling.sync_free() is True
+    monkeypatch.setenv("SPECJAX_SYNC_FREE", "0")
+    assert sampling.sync_free() is False
+    monkeypatch.setenv("SPECJAX_SYNC_FREE", "sometimes")
+    with pytest.raises(ValueError, match="SPECJAX_SYNC_FREE"):
+        sampling.sync_free()
 
 
 def test_fixed_search_finds_the_bisections_threshold():

@@ -561,3 +561,25 @@ def test_invalid_input_sets_error(candidates):
         keys.row_keys(0, [0])[0], jax.tree_util.tree_map(lambda a: a[-1], tree), p[-1, 0],
         p[-1, 1:])
     assert bool(too_deep.error) and too_deep.tokens.shape == (2,)
+
+
+@pytest.mark.parametrize("candidates", T.CANDIDATES)
+def test_sync_free_descent_makes_the_same_draws(monkeypatch, candidates):
+    """The descent as a loop over every node (``sampling.sync_free``, the GPU form: a
+    ``while`` over the nodes tried syncs the host per node there) gives the same outputs bit
+    for bit as the ``while`` over the nodes tried, on random trees with cut subtrees, and
+    leaves no ``while`` in the program."""
+    rows = 256
+    tree, p = _random_trees(11, rows, shape=(3, 2))
+    ks = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(4), i))(jnp.arange(rows))
+    args = (ks, tree, p[:, 0], p[:, 1:])
+    outs, jaxprs = {}, {}
+    for free in ("0", "1"):
+        monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
+        fn = jax.vmap(SAMPLERS[candidates])  # traced afresh: the form is read then
+        jaxprs[free] = str(jax.make_jaxpr(fn)(*args))
+        outs[free] = jax.jit(fn)(*args)
+    assert " while[" in jaxprs["0"] and " while[" not in jaxprs["1"]
+    assert int(np.asarray(outs["1"].num_accepted).max()) >= 2  # paths of several nodes
+    for a, b in zip(outs["0"], outs["1"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
