@@ -79,7 +79,10 @@ def stages(smoke: bool) -> dict:
                               "--ks", "2", "--max-new", "8", "--repeats", "1", "--out", "{out}/schedule"], 600)]
         peer = [("hf", [PY, "scripts/bench/hf_gpu_peer.py", "--new-tokens", "8", "--smoke"], 300)]
         syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0",
-                        "--ks", "2", "--max-new", "8", "--repeats", "1"], 300)
+                        "--ks", "2", "--max-new", "8", "--repeats", "1"], 300,
+                       [PY, "scripts/benchmark.py", "--config", "trees", "--temperatures", "1", "--methods", "tree",
+                        "--num-prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--ks", "2",
+                        "--tree-sampled-nodes", "3", "--no-markdown", "--no-plots"])
         prof = [("round", [PY, "scripts/profile_round.py", "--model", "tiny", "--draft", "layers:1", "--k", "2",
                            "--prompts", "1", "--tokens", "8", "--no-hlo", "--out", "{out}/profile"], 300)]
         hlo = [("hlo-local", [PY, "scripts/accel_aot.py", "--chip", "local", "--target", "tiny", "--batches", "1",
@@ -110,8 +113,11 @@ def stages(smoke: bool) -> dict:
                 ("schedule-f32-b16-64", sched + ["--batches", "16,64", "--out", "{out}/schedule_b16_64"], 200),
                 ("benchmark-bf16", [PY, "scripts/benchmark.py", "--config", "gpu", "--param-dtype", "bfloat16",
                                     "--no-markdown", "--no-plots", "--out", "{out}/bench_bf16"], 180)]
+        # the 44-node positional tree at T = 1: the sync-free descent's largest loop (44 steps)
         syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0,1",
-                        "--ks", "3", "--max-new", "64", "--repeats", "3"], 90)
+                        "--ks", "3", "--max-new", "64", "--repeats", "3"], 90,
+                       [PY, "scripts/benchmark.py", "--config", "trees", "--temperatures", "1", "--methods", "tree",
+                        "--tree-sampled-nodes", "44", "--no-markdown", "--no-plots"])
         # a jax.profiler trace of speculative rounds and autoregressive steps (the files come
         # back under profile/: where the round's time outside the models goes on this device)
         prof = [("round-k3-t0", [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "0", "--prompts", "2",
@@ -143,13 +149,14 @@ def stages(smoke: bool) -> dict:
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 
-def _syncs(sched: list, limit: int) -> list:
+def _syncs(sched: list, limit: int, tree: list = ()) -> list:
     """Stage ``syncs``: the same schedule (autoregressive, K, k=auto) with batch hints off
     (every sampling cond a host sync per round on a GPU), on (the GPU default), and on with
     conditionals and while loops in XLA's command buffers; at T = 1 with top-p 0.9 (the
     CLI's default) with the exact cut by a conditional per pipeline pass and by the fixed
-    search (the GPU default, ``sampling.sync_free``); plus a profile of rounds with the hints
-    on, for the conditionals each round still runs."""
+    search (the GPU default, ``sampling.sync_free``), and ``tree`` (a sampled-tree benchmark)
+    with its descent as a ``while`` over the nodes tried and as a loop over every node; plus
+    a profile of rounds with the hints on, for the conditionals each round still runs."""
     env = lambda hints, *extra: ["env", f"SPECJAX_BATCH_HINTS={hints}", *extra]  # noqa: E731
     top_p = list(sched) + ["--top-p", "0.9"]
     top_p[top_p.index("--temps") + 1] = "1"
@@ -158,6 +165,8 @@ def _syncs(sched: list, limit: int) -> list:
             ("schedule-hints-graphs", env(1, f"XLA_FLAGS={GRAPH_FLAGS}") + sched + ["--out", "{out}/syncs_graphs"], limit),
             ("schedule-top-p-cond", env(1, "SPECJAX_SYNC_FREE=0") + top_p + ["--out", "{out}/syncs_top_p_cond"], limit),
             ("schedule-top-p-fixed", env(1, "SPECJAX_SYNC_FREE=1") + top_p + ["--out", "{out}/syncs_top_p_fixed"], limit),
+            *[(f"tree-descent-{form}", env(1, f"SPECJAX_SYNC_FREE={free}") + list(tree) + ["--out", f"{{out}}/syncs_tree_{form}"],
+               limit) for form, free in (("while", 0), ("fixed", 1)) if tree],
             ("round-k3-t1-hints", env(1) + [PY, "scripts/profile_round.py", "--k", "3", "--temperature", "1",
                                             "--prompts", "2", "--tokens", "32", "--no-hlo", "--out",
                                             "{out}/profile_hints"], limit)]
