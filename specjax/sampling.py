@@ -380,6 +380,7 @@ def _lift_threshold(z, mass, target, lo, hi, bits: Optional[int] = None):
     bits = _lift_bits(*z.shape) if bits is None else bits
     if 32 % bits:
         raise ValueError(f"bits must divide 32, got {bits}")
+
     def unsigned(x):
         return jax.lax.bitcast_convert_type(_ordered_key(x), jnp.uint32) ^ jnp.uint32(_SIGN)
 
@@ -471,7 +472,7 @@ def sync_free() -> bool:
     and the draws: on a GPU each would be a copy to the host and a wait for the stream.
 
     * The exact top-k / top-p cut of rows whose cut is not among the candidates: found by a
-      search over every row with a fixed number of steps (:func:`_lift_threshold`, 14-28 more
+      search over every row with a fixed number of steps (:func:`_lift_threshold`, 13-28 more
       kernels per filtered pass) instead of a batch-level ``lax.cond`` over the few such rows
       (:func:`_exact_thresholds`): with the CLI's default top-p 0.9, a cond per pipeline
       pass, four per K=3 round and one per autoregressive step beside the loop's own.
@@ -573,8 +574,8 @@ class BatchHints:
     * ``penalties``: the call's ``use_penalties``;
     * ``wide_top_k``: some non-greedy row has a top-k past the candidates (``_CANDIDATES <
       top_k < vocab``): only then does :func:`sync_free`'s search for the top-k cut run;
-    * ``vocab``: the vocabulary the first two were decided for (logits of another width keep
-      their conds)."""
+    * ``vocab``: the vocabulary ``filters`` and ``wide_top_k`` were decided for (logits of
+      another width keep their conds)."""
     greedy: Optional[bool]
     filters: bool
     penalties: bool
