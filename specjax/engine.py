@@ -1715,9 +1715,11 @@ class SpeculativeEngine(_Sharded):
                 tree, p_lp)
         cand = self.proposer.candidates
 
+        tries = getattr(self.proposer, "max_tries", None)  # static shapes: the descent's bound
+
         def sampled(_):
             return jax.vmap(lambda kk, t, lp: _tree.tree_verify(
-                kk, t, lp[0], lp[1:], cand, max_depth=max_depth))(round_keys, tree, p_lp)
+                kk, t, lp[0], lp[1:], cand, max_depth=max_depth, max_tries=tries))(round_keys, tree, p_lp)
 
         def point_masses(_):
             # every row of p is a point mass (greedy rows): any of the candidate rules

@@ -73,7 +73,7 @@ from specjax.sampling import logsumexp, sample, sync_free
 __all__ = [
     "ROOT", "CANDIDATES", "DraftTree", "TreeVerifyResult", "TreeLaw",
     "full_tree_shape", "positional_tree_shape", "accept_table", "DEFAULT_SIBLING_ACCEPT", "shape_depths", "make_tree", "chain_tree", "ancestor_mask",
-    "tree_step", "tree_prepare", "tree_validate", "descend", "tree_finish", "assemble",
+    "tree_step", "tree_prepare", "tree_validate", "max_tries", "descend", "tree_finish", "assemble",
     "law_scan", "tree_law",
     "tree_verify", "iid_tree_verify", "point_mass_tree_verify", "point_mass_target_verify",
     "without_replacement_tree_verify", "greedy_tree_verify", "contexts", "select_level", "keep_best",
@@ -446,7 +446,20 @@ def _acceptance_uniforms(key, n):
     return jax.vmap(lambda i: _keys.uniform_open(_keys.position_key(ak, i)))(jnp.arange(n))
 
 
-def descend(key, tree: DraftTree, P, Q, step, max_depth: int):
+def max_tries(parent) -> int:
+    """The most nodes a descent can try in a tree of this static ``parent`` array (level or
+    any topological order): the children of the root, then of one tried child, and so on,
+    along the path whose sibling groups add up most. A tree with some of these nodes
+    invalid tries no more. The 2x1x1 tree: 4 of its 6 nodes; the 44-node positional tree: 22."""
+    parent = np.asarray(parent)
+    most = np.zeros(len(parent) + 1, np.int64)  # by context: node j's is j + 1, the root's 0
+    for ctx in range(len(parent), -1, -1):
+        kids = np.nonzero(parent + 1 == ctx)[0]
+        most[ctx] = len(kids) + (max(most[kids + 1]) if len(kids) else 0)
+    return int(most[0])
+
+
+def descend(key, tree: DraftTree, P, Q, step, max_depth: int, tries: Optional[int] = None):
     """Walk the tree: a node is tried when its parent's context is the current one (its
     earlier siblings all rejected), with uniform ``u_i`` from role ACCEPT at position i.
     Returns ``(cur, num_accepted, path int32[max_depth], r, lz)``: the context where the
@@ -457,7 +470,9 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int):
     residual updates it makes rather than one per node. The same decisions, in the same
     order, as a pass over all nodes in index order (:func:`law_scan`'s). Where
     :func:`specjax.sampling.sync_free` (a GPU: a ``while`` whose predicate depends on the data
-    is a host sync per iteration there) a loop of n steps instead, the same decisions."""
+    is a host sync per iteration there) a loop of ``tries`` steps instead (static; default n,
+    or :func:`max_tries` of the proposer's static shape), the same decisions. Also returns
+    ``unfinished``: the descent needed more steps than ``tries`` (its caller's error)."""
     n = tree.tokens.shape[0]
     log_u = jnp.log(_acceptance_uniforms(key, n))
     ctx = tree.parent + 1
@@ -484,10 +499,10 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int):
         # no node is tried twice, so n steps try them all; a finished descent keeps its state
         def masked(_, carry):
             return jax.tree.map(lambda a, b: jnp.where(carry[0] < n, b, a), carry, body(carry))
-        _, cur, r, lz, _, num, path = jax.lax.fori_loop(0, n, masked, init)
+        node, cur, r, lz, _, num, path = jax.lax.fori_loop(0, n if tries is None else min(tries, n), masked, init)
     else:
-        _, cur, r, lz, _, num, path = jax.lax.while_loop(lambda c: c[0] < n, body, init)
-    return cur, num, path, r, lz
+        node, cur, r, lz, _, num, path = jax.lax.while_loop(lambda c: c[0] < n, body, init)
+    return cur, num, path, r, lz, node < n
 
 
 def tree_finish(key, tree: DraftTree, cur, num, path, weights, error, max_depth: int,
@@ -512,7 +527,8 @@ def assemble(tree: DraftTree, num, path, y, error, max_depth: int) -> TreeVerify
 
 
 def tree_verify(key, tree: DraftTree, p_root, p_node, candidates: str = "iid", *,
-                max_depth: Optional[int] = None, single: bool = False) -> TreeVerifyResult:
+                max_depth: Optional[int] = None, single: bool = False,
+                max_tries: Optional[int] = None) -> TreeVerifyResult:
     """Exact verification of a draft tree (see the module docstring).
 
     ``p_root [V]``, ``p_node [N, V]``: the target's processed log-probs at the root and
@@ -520,12 +536,14 @@ def tree_verify(key, tree: DraftTree, p_root, p_node, candidates: str = "iid", *
     ``candidates`` (static): how the tree's candidates were drawn.  ``max_depth``
     (static, default N): the size of the result (``tokens [max_depth + 1]``, ``path
     [max_depth]``); a deeper valid node is an error.  ``single``: as in
-    :func:`specjax.verify.token_verify`.
+    :func:`specjax.verify.token_verify`. ``max_tries`` (static, default N): the steps of
+    the sync-free descent (:func:`descend`), the :func:`max_tries` of the shape the trees
+    are drawn in; a descent that needs more is an error, never a shortened one.
     """
     tree, P, Q, max_depth = tree_prepare(tree, p_root, p_node, candidates, max_depth)
     error = tree_validate(tree, P, Q, candidates, max_depth)
-    cur, num, path, r, _ = descend(key, tree, P, Q, tree_step(candidates), max_depth)
-    return tree_finish(key, tree, cur, num, path, r, error, max_depth, single)
+    cur, num, path, r, _, unfinished = descend(key, tree, P, Q, tree_step(candidates), max_depth, max_tries)
+    return tree_finish(key, tree, cur, num, path, r, error | unfinished, max_depth, single)
 
 
 def iid_tree_verify(key, tree, p_root, p_node, *, max_depth=None, single=False):

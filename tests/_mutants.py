@@ -188,7 +188,7 @@ def tree_mutant(candidates, step_factory=None, final_from_p=False):
     def sampler(key, tree, p_root, p_node):
         tree, P, Q, md = TR.tree_prepare(tree, p_root, p_node, candidates)
         error = TR.tree_validate(tree, P, Q, candidates, md)
-        cur, num, path, r, _ = TR.descend(key, tree, P, Q, make_step(candidates), md)
+        cur, num, path, r, _, _ = TR.descend(key, tree, P, Q, make_step(candidates), md)
         return TR.tree_finish(key, tree, cur, num, path, P[cur] if final_from_p else r,
                               error, md)
 

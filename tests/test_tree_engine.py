@@ -203,3 +203,33 @@ def test_sampled_tree_dataset_rows_equal_one_row_runs():
     for i, p in enumerate(prompts):
         one = eng.generate([p], row_indices=[i], max_new_tokens=max_new[i], **kw)
         assert one.tokens[0] == out.tokens[i], f"prompt {i}"
+
+
+def test_sync_free_descent_gives_the_same_generations(monkeypatch):
+    """The default sampled EAGLE tree (2x1x1) at T=1: the descent as a loop of the
+    proposer's ``max_tries`` steps (4 of its 6 nodes; the GPU form,
+    ``SPECJAX_SYNC_FREE=1``) gives the ``while`` form's tokens and statistics, bit for bit."""
+    import jax
+
+    from specjax import build
+
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
+                                                           head_dim=8, ffn_dim=32), seed=1)
+    tree = build.TreeSpec()
+    kw = dict(seed=2, max_new_tokens=16, sampling_params=sampling.SamplingConfig(temperature=1.0))
+    runs = {}
+    for free in ("0", "1"):
+        monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
+        jax.clear_caches()  # the form is read when a program is traced: new engines
+        build.clear_engines()
+        eng = build.make_engine(tgt, em, method="tree", tree=tree)
+        assert eng.proposer.max_tries < eng.proposer.tree_nodes
+        runs[free] = eng.generate(PROMPTS, **kw)
+    jax.clear_caches()
+    build.clear_engines()
+    a, b = runs["0"], runs["1"]
+    assert a.tokens == b.tokens
+    assert sum(s.accepted for s in a.stats) > 0
+    for key in a.raw.keys() - {"proposer_state"}:
+        np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=key)

@@ -571,15 +571,45 @@ def test_sync_free_descent_makes_the_same_draws(monkeypatch, candidates):
     leaves no ``while`` in the program."""
     rows = 256
     tree, p = _random_trees(11, rows, shape=(3, 2))
+    tries = T.max_tries(T.full_tree_shape((3, 2))[0])
+    assert tries == 5  # 3 root children, then 2 grandchildren, of 9 nodes
     ks = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(4), i))(jnp.arange(rows))
     args = (ks, tree, p[:, 0], p[:, 1:])
     outs, jaxprs = {}, {}
-    for free in ("0", "1"):
+    for free, bound in (("0", None), ("1", None), ("1", tries), ("1", tries - 2)):
         monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
-        fn = jax.vmap(SAMPLERS[candidates])  # traced afresh: the form is read then
-        jaxprs[free] = str(jax.make_jaxpr(fn)(*args))
-        outs[free] = jax.jit(fn)(*args)
-    assert " while[" in jaxprs["0"] and " while[" not in jaxprs["1"]
-    assert int(np.asarray(outs["1"].num_accepted).max()) >= 2  # paths of several nodes
-    for a, b in zip(outs["0"], outs["1"]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        fn = jax.vmap(functools.partial(T.tree_verify, candidates=candidates, max_tries=bound))  # traced afresh
+        jaxprs[free, bound] = str(jax.make_jaxpr(fn)(*args))
+        outs[free, bound] = jax.jit(fn)(*args)
+    assert " while[" in jaxprs["0", None] and " while[" not in jaxprs["1", None]
+    base = outs["0", None]
+    assert int(np.asarray(base.num_accepted).max()) >= 2
+    for form in (("1", None), ("1", tries)):  # every node, and the shape's bound
+        for a, b in zip(base, outs[form]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a bound the shape does not guarantee: the rows that needed the last step are errors,
+    # never a shortened descent; every other row is as before
+    # (without replacement, the rows whose random siblings repeat a token are errors already)
+    short = outs["1", tries - 2]
+    err, base_err = np.asarray(short.error), np.asarray(base.error)
+    assert (err >= base_err).all() and (err & ~base_err).any() and not err.all()
+    np.testing.assert_array_equal(np.asarray(short.tokens)[~err], np.asarray(base.tokens)[~err])
+
+
+def test_max_tries_of_the_shipped_shapes():
+    """The bound the EAGLE proposer gives its sampled trees: the full 2x1x1 tree tries at most
+    4 of its 6 nodes, the 44-node positional tree 22; a chain of n nodes n; none for trees
+    grown by widths (their shape depends on the draws)."""
+    from specjax import build
+    from specjax.models.eagle import EagleConfig, EagleModel
+    from specjax.models.llama import LlamaLM, tiny_config
+
+    assert T.max_tries(T.full_tree_shape((2, 1, 1))[0]) == 4
+    assert T.max_tries(np.arange(5) - 1) == 5  # a chain
+    assert T.max_tries(T.positional_tree_shape(44, T.DEFAULT_SIBLING_ACCEPT)[0]) == 22
+    target = LlamaLM.init(tiny_config(vocab_size=16, n_layers=1), seed=1)
+    head = EagleModel.for_target(target, EagleConfig.for_target(target.config, n_heads=2, n_kv_heads=1,
+                                                                head_dim=8, ffn_dim=16), seed=2)
+    tries = {spec: build.TreeSpec.parse(spec).proposer(head, 16).max_tries
+             for spec in ("", "sampled_nodes=44", "widths=3x4x4x3", "candidates=point_mass")}
+    assert tries == {"": 4, "sampled_nodes=44": 22, "widths=3x4x4x3": None, "candidates=point_mass": None}

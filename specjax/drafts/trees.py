@@ -34,7 +34,7 @@ so a greedy round still gets several candidates; it is a heuristic only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +46,8 @@ from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, fold_in, position_key, role_key
 from specjax import sampling
 from specjax.sampling import gumbel, sample
-from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, accept_table, full_tree_shape, positional_tree_shape,
-                          select_level, shape_depths)
+from specjax.tree import (DEFAULT_SIBLING_ACCEPT, DraftTree, accept_table, full_tree_shape, max_tries,
+                          positional_tree_shape, select_level, shape_depths)
 
 
 def _rank_logprobs(logits, allowed=None):
@@ -503,6 +503,15 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
         if self.dynamic:
             return dynamic_shape(self.widths)
         return sampled_shape(self.sampled_tree_shape())
+
+    @property
+    def max_tries(self) -> Optional[int]:
+        """The most nodes a sampled round's descent can try (:func:`specjax.tree.max_tries` of
+        the static shape it fills; None for trees grown by ``widths``, whose shape depends
+        on the draws): the steps of the sync-free descent."""
+        if not self.sampled or self.dynamic:
+            return None
+        return max_tries(self._sampled_layout()["parent"])
 
     @property
     def sampled_depth(self) -> int:
