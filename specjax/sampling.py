@@ -63,7 +63,7 @@ from specjax.keys import random_bits
 
 __all__ = ["SamplingParams", "SamplingConfig", "Controls", "make_controls", "process_logits", "process_rows", "sample",
            "sample_rows", "draw_single", "at_most_one_possible", "gumbel", "BatchHints", "batch_hints",
-           "current_hints", "hints_for", "known_cond", "known_greedy", "all_point_masses"]
+           "current_hints", "hints_for", "settled", "known_cond", "known_greedy", "all_point_masses"]
 
 Scalar = Union[float, int]
 PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
@@ -467,9 +467,9 @@ SYNC_FREE_BACKENDS = ("gpu",)
 
 
 def sync_free() -> bool:
-    """Whether the programs take the sync-free form of the two data-dependent control flows
-    of a round that no batch hint can decide, because their predicates depend on the logits
-    and the draws: on a GPU each would be a copy to the host and a wait for the stream.
+    """Whether the programs take the sync-free form of a round's control flow that no batch
+    hint decides, because its predicates depend on the logits and the draws, or on a mix of
+    rows: on a GPU each would be a copy to the host and a wait for the stream.
 
     * The exact top-k / top-p cut of rows whose cut is not among the candidates: found by a
       search over every row with a fixed number of steps (:func:`_lift_threshold`, 13-28 more
@@ -479,6 +479,8 @@ def sync_free() -> bool:
     * A sampled tree's descent (:func:`specjax.tree.descend`): a loop over every node with a
       known trip count, finished nodes masked, instead of a ``while`` over the nodes tried
       (one predicate per tried node).
+    * The batch-level conds the hints leave undecided (mixed greedy and sampled rows, or no
+      hints): their branch that is exact for every row (:func:`settled`).
 
     ``$SPECJAX_SYNC_FREE`` (1 / 0), else :data:`SYNC_FREE_BACKENDS`; read when a program is
     traced. The same results either way (on the CPU the same bits, tested)."""
@@ -618,6 +620,16 @@ def current_hints(vocab: Optional[int] = None) -> Optional[BatchHints]:
     return h
 
 
+def settled(known: Optional[bool], exact_for_all: bool) -> Optional[bool]:
+    """A batch-level cond's branch as far as the trace can fix it: ``known`` (the hints'),
+    else under :func:`sync_free` ``exact_for_all``, the branch that gives every row its
+    result whatever the others' settings (mixed greedy and sampled rows, or no hints), so
+    the program tests nothing; else None (the cond tests the data)."""
+    if known is not None:
+        return known
+    return exact_for_all if sync_free() else None
+
+
 def known_cond(known: Optional[bool], pred, true_fn, false_fn, operand):
     """``lax.cond(pred(), true_fn, false_fn, operand)``, or the branch ``known`` names
     (the same ops, traced without the cond)."""
@@ -695,8 +707,8 @@ def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Ar
     iota = jnp.arange(v, dtype=jnp.int32)
     # Greedy: a point mass at the first maximum (ties -> lowest id).
     h = current_hints(v)
-    first = known_cond(
-        None if h is None else h.greedy, lambda: jnp.any(greedy),
+    first = known_cond(  # the argmax is computed for every row then, used for the greedy ones
+        settled(None if h is None else h.greedy, True), lambda: jnp.any(greedy),
         lambda x: jnp.min(jnp.where(x == xmax, iota, v), axis=-1, keepdims=True),
         lambda x: jnp.zeros((x.shape[0], 1), jnp.int32), x)
 
@@ -706,8 +718,8 @@ def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Ar
 
     topk_on = (top_k > 0) & (top_k < v) & ~greedy[:, 0]
     topp_on = (top_p < 1) & ~greedy[:, 0]
-    thr = known_cond(
-        None if h is None else h.filters, lambda: jnp.any(topk_on | topp_on),
+    thr = known_cond(  # rows without a filter get -inf from _filter_threshold as well
+        settled(None if h is None else h.filters, True), lambda: jnp.any(topk_on | topp_on),
         lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on, top_values),
         lambda x: jnp.full(x.shape[:1], _NEG_INF, jnp.float32), x)
     # min-p: p(x) >= min_p * max p  <=>  z(x) >= log(min_p)  (log(0) = -inf: off).
@@ -826,5 +838,6 @@ def all_point_masses() -> Optional[bool]:
     processed row is then a point mass); False when they say none is: the general branch,
     which gives the same tokens for a row that happens to be a point mass (top-k 1, one
     allowed token): the Gumbel-max of a row with one finite entry is that entry, and a
-    residual or bonus law with one is drawn alike; None (mixed rows, or no hints): test it."""
-    return known_greedy()
+    residual or bonus law with one is drawn alike; None (mixed rows, or no hints): test it,
+    except under :func:`sync_free`, which takes the general branch (:func:`settled`)."""
+    return settled(known_greedy(), False)

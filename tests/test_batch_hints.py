@@ -158,3 +158,28 @@ def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch)
         for key in a.raw.keys() - {"proposer_state"}:
             np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
         assert conds["1", kind] == 0 < conds["0", kind], (kind, conds)
+
+
+def test_sync_free_settles_mixed_rows_without_conditionals(target, draft, monkeypatch):
+    """Mixed greedy and sampled rows leave the greedy-dependent conds undecided by the hints;
+    sync-free (``SPECJAX_SYNC_FREE=1``, the GPU form) takes the branch that is exact for every
+    row instead (``sampling.settled``): the same tokens and statistics as the conds give,
+    and no conditional left in the autoregressive, the chain's or the sampled tree's program."""
+    import jax
+
+    cfg = CONFIGS["mixed"]
+    kw = dict(seed=5, sampling_params=cfg, max_new_tokens=12, stop_tokens=[0])
+    for kind in ("autoregressive", "token", "tree"):
+        outs, conds = {}, {}
+        for free in ("0", "1"):
+            monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
+            jax.clear_caches()  # the form is read when a program is traced
+            eng = _engines(kind, target, draft, True)
+            outs[free] = eng.generate(PROMPTS, **kw)
+            conds[free] = _conditionals(eng, cfg)
+        a, b = outs["0"], outs["1"]
+        assert a.tokens == b.tokens, kind
+        for key in a.raw.keys() - {"proposer_state"}:
+            np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
+        assert conds["1"] == 0 < conds["0"], (kind, conds)
+    jax.clear_caches()

@@ -347,7 +347,8 @@ def test_fixed_cut_gives_the_conditional_cut_bit_for_bit(monkeypatch, v):
     assert np.isfinite(cond).sum(-1).max() > sampling._CANDIDATES  # the cut was searched for
     np.testing.assert_array_equal(fixed, cond)
     _assert_matches(fixed, logits, t, k, p, np.zeros(b, np.float32))
-    assert fixed_jaxpr.count(" cond[") == cond_jaxpr.count(" cond[") - 1 and " while[" not in fixed_jaxpr
+    # (the batch-level conds the missing hints leave open take their all-rows branch too)
+    assert fixed_jaxpr.count(" cond[") == 0 < cond_jaxpr.count(" cond[") and " while[" not in fixed_jaxpr
     # the top-k search is left out where the hints rule a wide top-k out; it is needed here
     hints = sampling.hints_for(params, v, False)
     assert hints.wide_top_k

@@ -625,8 +625,9 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                                                          branching=self.sampled_tree_shape())
                 return cache, pad_tree(tree, n)
 
-            # a call known to be all greedy or none: no cond
-            cache, tree = sampling.known_cond(sampling.known_greedy(),
+            # a call known to be all greedy or none: no cond (sync-free: a mixed call's
+            # sampled tree, which its greedy rows verify by the argmax all the same)
+            cache, tree = sampling.known_cond(sampling.settled(sampling.known_greedy(), False),
                                               lambda: jnp.all(ctx.params.temperature <= 0),
                                               topk_tree, sampled_tree, cache)
         return Proposal(tree.tokens, None, jnp.sum(tree.valid, axis=1).astype(jnp.int32),
