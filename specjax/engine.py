@@ -626,14 +626,8 @@ def resolve_batch_hints(batch_hints: Optional[bool] = None) -> bool:
         if not isinstance(batch_hints, bool):
             raise ValueError(f"batch_hints must be True, False or None, got {batch_hints!r}")
         return batch_hints
-    env = os.environ.get("SPECJAX_BATCH_HINTS", "").strip().lower()
-    if env in ("1", "on", "true"):
-        return True
-    if env in ("0", "off", "false"):
-        return False
-    if env not in ("", "auto"):
-        raise ValueError(f"SPECJAX_BATCH_HINTS must be 1, 0 or auto, got {env!r}")
-    return jax.default_backend() == "gpu"
+    on = sampling.env_switch("SPECJAX_BATCH_HINTS")
+    return jax.default_backend() == "gpu" if on is None else on
 
 
 def skip_empty_rounds() -> bool:

@@ -63,7 +63,8 @@ from specjax.keys import random_bits
 
 __all__ = ["SamplingParams", "SamplingConfig", "Controls", "make_controls", "process_logits", "process_rows", "sample",
            "sample_rows", "draw_single", "at_most_one_possible", "gumbel", "BatchHints", "batch_hints",
-           "current_hints", "hints_for", "settled", "known_cond", "known_greedy", "all_point_masses"]
+           "current_hints", "hints_for", "settled", "known_cond", "known_greedy", "all_point_masses", "sync_free",
+           "env_switch"]
 
 Scalar = Union[float, int]
 PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
@@ -484,14 +485,21 @@ def sync_free() -> bool:
 
     ``$SPECJAX_SYNC_FREE`` (1 / 0), else :data:`SYNC_FREE_BACKENDS`; read when a program is
     traced. The same results either way (on the CPU the same bits, tested)."""
-    env = os.environ.get("SPECJAX_SYNC_FREE", "").strip().lower()
+    on = env_switch("SPECJAX_SYNC_FREE")
+    return jax.default_backend() in SYNC_FREE_BACKENDS if on is None else on
+
+
+def env_switch(name: str) -> Optional[bool]:
+    """An on / off environment variable: 1 / on / true, 0 / off / false, or unset / auto
+    (None: the caller's default); anything else is a ValueError naming it."""
+    env = os.environ.get(name, "").strip().lower()
     if env in ("1", "on", "true"):
         return True
     if env in ("0", "off", "false"):
         return False
     if env not in ("", "auto"):
-        raise ValueError(f"SPECJAX_SYNC_FREE must be 1, 0 or auto, got {env!r}")
-    return jax.default_backend() in SYNC_FREE_BACKENDS
+        raise ValueError(f"{name} must be 1, 0 or auto, got {env!r}")
+    return None
 
 
 def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):

@@ -462,8 +462,9 @@ def max_tries(parent) -> int:
 def descend(key, tree: DraftTree, P, Q, step, max_depth: int, tries: Optional[int] = None):
     """Walk the tree: a node is tried when its parent's context is the current one (its
     earlier siblings all rejected), with uniform ``u_i`` from role ACCEPT at position i.
-    Returns ``(cur, num_accepted, path int32[max_depth], r, lz)``: the context where the
-    descent ended and its residual.
+    Returns ``(cur, num_accepted, path int32[max_depth], r, lz, unfinished)``: the context
+    where the descent ended and its residual, and whether it needed more steps than
+    ``tries`` (below; its caller's error).
 
     A ``while_loop`` over the nodes actually tried (the first valid child of the current
     context, then its next valid sibling after a rejection), so a round costs the few
@@ -471,8 +472,7 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int, tries: Optional[in
     order, as a pass over all nodes in index order (:func:`law_scan`'s). Where
     :func:`specjax.sampling.sync_free` (a GPU: a ``while`` whose predicate depends on the data
     is a host sync per iteration there) a loop of ``tries`` steps instead (static; default n,
-    or :func:`max_tries` of the proposer's static shape), the same decisions. Also returns
-    ``unfinished``: the descent needed more steps than ``tries`` (its caller's error)."""
+    or :func:`max_tries` of the proposer's static shape), the same decisions."""
     n = tree.tokens.shape[0]
     log_u = jnp.log(_acceptance_uniforms(key, n))
     ctx = tree.parent + 1
