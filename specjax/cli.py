@@ -154,11 +154,17 @@ def _check_args(a) -> list:
     if a.top_k is not None and a.top_k < 0:
         raise UsageError(f"--top-k must be >= 0 (0: off), got {a.top_k}")
     from specjax.keys import check_seed
+    from specjax.sampling import env_switch
 
     try:
         check_seed(a.seed)
     except ValueError as e:
         raise UsageError(f"--seed: {e}") from None
+    for name in ("SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE"):  # read when programs are built
+        try:
+            env_switch(name)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if a.temperature is not None and (not math.isfinite(a.temperature) or a.temperature < 0):
         raise UsageError(f"--temperature must be a finite number >= 0, got {a.temperature}")
     if a.top_p is not None and not (0.0 < a.top_p <= 1.0):

@@ -56,6 +56,14 @@ def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE"])
+def test_bad_switch_in_the_environment_exits_2(name, capsys, monkeypatch):
+    monkeypatch.setenv(name, "sometimes")
+    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
+    assert cli.main(["generate", "hi"]) == cli.EXIT_USAGE
+    assert f"{name} must be 1, 0 or auto, got 'sometimes'" in capsys.readouterr().err
+
+
 def test_missing_model_package_says_how_to_install(capsys, monkeypatch):
     import importlib.util
 
