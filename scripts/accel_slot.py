@@ -113,7 +113,7 @@ def stages(smoke: bool) -> dict:
                 ("schedule-f32-b16-64", sched + ["--batches", "16,64", "--out", "{out}/schedule_b16_64"], 200),
                 ("benchmark-bf16", [PY, "scripts/benchmark.py", "--config", "gpu", "--param-dtype", "bfloat16",
                                     "--no-markdown", "--no-plots", "--out", "{out}/bench_bf16"], 180)]
-        # the 44-node positional tree at T = 1: the sync-free descent's largest loop (44 steps)
+        # the 44-node positional tree at T = 1: the sync-free descent's longest loop (22 steps)
         syncs = _syncs([PY, "scripts/bench_schedule.py", "--skip-dataset", "--batches", "1", "--temps", "0,1",
                         "--ks", "3", "--max-new", "64", "--repeats", "3"], 90,
                        [PY, "scripts/benchmark.py", "--config", "trees", "--temperatures", "1", "--methods", "tree",
@@ -155,7 +155,8 @@ def _syncs(sched: list, limit: int, tree: list = ()) -> list:
     conditionals and while loops in XLA's command buffers; at T = 1 with top-p 0.9 (the
     CLI's default) with the exact cut by a conditional per pipeline pass and by the fixed
     search (the GPU default, ``sampling.sync_free``), and ``tree`` (a sampled-tree benchmark)
-    with its descent as a ``while`` over the nodes tried and as a loop over every node; plus
+    with its descent as a ``while`` over the nodes tried and as a loop of the steps its
+    shape allows; plus
     a profile of rounds with the hints on, for the conditionals each round still runs."""
     env = lambda hints, *extra: ["env", f"SPECJAX_BATCH_HINTS={hints}", *extra]  # noqa: E731
     top_p = list(sched) + ["--top-p", "0.9"]

@@ -214,7 +214,7 @@ def main():
     device = jax.devices()[0].device_kind
     lines = [f"command: `python {shlex.join(['scripts/bench_schedule.py'] + sys.argv[1:])}`",
              f"cost file: {cost_file()}", f"device: {device}; batch hints: {'on' if hints else 'off'}; "
-             f"exact cut without a conditional: {'on' if sampling.sync_free() else 'off'}"]
+             f"sync-free forms: {'on' if sampling.sync_free() else 'off'}"]
     out = {"grid": [], "dataset": [], "device": device, "batch_hints": hints}
     if not a.skip_grid:
         out["grid"] = grid(a, target, draft, tok, lines)

@@ -382,8 +382,11 @@ def _lift_threshold(z, mass, target, lo, hi, bits: Optional[int] = None):
     if 32 % bits:
         raise ValueError(f"bits must divide 32, got {bits}")
 
-    def unsigned(x):
+    def unsigned(x):  # float32 -> uint32 in the same order
         return jax.lax.bitcast_convert_type(_ordered_key(x), jnp.uint32) ^ jnp.uint32(_SIGN)
+
+    def value(u):  # and back
+        return _from_ordered_key(jax.lax.bitcast_convert_type(u ^ jnp.uint32(_SIGN), jnp.int32))
 
     base = unsigned(lo)
     span = unsigned(hi) - base  # the answer is base + c with c <= span
@@ -392,14 +395,12 @@ def _lift_threshold(z, mass, target, lo, hi, bits: Optional[int] = None):
     for b in range(32 - bits, -1, -bits):
         off = c[:, None] + j * jnp.uint32(1 << b)  # [R, P]
         inside = off - 1 < span[:, None]  # probes at or past hi hold (they are not tested)
-        probe = _from_ordered_key(jax.lax.bitcast_convert_type(
-            (base[:, None] + off - 1) ^ jnp.uint32(_SIGN), jnp.int32))
-        above = z[:, None, :] > probe[:, :, None]  # [R, P, V]
+        above = z[:, None, :] > value(base[:, None] + off - 1)[:, :, None]  # [R, P, V]
         s = (jnp.sum(above, axis=-1, dtype=jnp.int32) if mass is None
              else row_sum(jnp.where(above, mass[:, None, :], 0.0)))
         fails = inside & ~(s < target[:, None])
         c = c + jnp.sum(fails, axis=-1, dtype=jnp.uint32) * jnp.uint32(1 << b)
-    return _from_ordered_key(jax.lax.bitcast_convert_type((base + c) ^ jnp.uint32(_SIGN), jnp.int32))
+    return value(base + c)
 
 
 def _mass_above(c, pc):
@@ -477,9 +478,9 @@ def sync_free() -> bool:
       kernels per filtered pass) instead of a batch-level ``lax.cond`` over the few such rows
       (:func:`_exact_thresholds`): with the CLI's default top-p 0.9, a cond per pipeline
       pass, four per K=3 round and one per autoregressive step beside the loop's own.
-    * A sampled tree's descent (:func:`specjax.tree.descend`): a loop over every node with a
-      known trip count, finished nodes masked, instead of a ``while`` over the nodes tried
-      (one predicate per tried node).
+    * A sampled tree's descent (:func:`specjax.tree.descend`): a loop with a known trip
+      count (the most nodes the tree's shape lets a descent try), the finished descent
+      masked, instead of a ``while`` over the nodes tried (one predicate per tried node).
     * The batch-level conds the hints leave undecided (mixed greedy and sampled rows, or no
       hints): their branch that is exact for every row (:func:`settled`).
 
@@ -539,7 +540,8 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
                                                  axis=-1)[:, 0], _NEG_INF)
 
     # top-p on the distribution renormalized after top-k; S(c_j) = mass strictly above c_j.
-    lse_k = _log_mass(jnp.where(z >= t_k[:, None], z, _NEG_INF))
+    zk = jnp.where(z >= t_k[:, None], z, _NEG_INF)
+    lse_k = _log_mass(zk)
     c = jnp.where(cand >= t_k[:, None], cand, _NEG_INF)
     above = _mass_above(c, jnp.exp(c - lse_k[:, None]))
     ok = (above < top_p[:, None]) & (c > _NEG_INF)
@@ -557,10 +559,11 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
         # every row searched, the slow rows' results kept: the same thresholds, no conditional
         neg, zero = jnp.full((n,), _NEG_INF, jnp.float32), jnp.zeros((n,), jnp.float32)
         h = current_hints(v)
-        if h is None or h.wide_top_k is not False:
+        if h is None or h.wide_top_k is not False:  # a new top-k cut renormalizes its rows
             t_k = jnp.where(slow_k, _lift_threshold(z, None, top_k, neg, zero), t_k)
-        zk = jnp.where(z >= t_k[:, None], z, _NEG_INF)
-        pk = jnp.exp(zk - _log_mass(zk)[:, None])
+            zk = jnp.where(z >= t_k[:, None], z, _NEG_INF)
+            lse_k = _log_mass(zk)
+        pk = jnp.exp(zk - lse_k[:, None])
         tp = jnp.where(top_p < 1, _lift_threshold(zk, pk, top_p, neg, zero), _NEG_INF)
         return jnp.maximum(t_k, jnp.where(slow, tp, t_p))
     t_k, t_p = jax.lax.cond(

@@ -496,7 +496,8 @@ def descend(key, tree: DraftTree, P, Q, step, max_depth: int, tries: Optional[in
     init = (first[0], jnp.int32(0), P[0], jnp.zeros((), P.dtype), Q[0], jnp.int32(0),
             jnp.full((max_depth,), -1, jnp.int32))
     if sync_free():
-        # no node is tried twice, so n steps try them all; a finished descent keeps its state
+        # no node is tried twice, so n steps try them all (``tries``: all a shape allows);
+        # a finished descent keeps its state
         def masked(_, carry):
             return jax.tree.map(lambda a, b: jnp.where(carry[0] < n, b, a), carry, body(carry))
         node, cur, r, lz, _, num, path = jax.lax.fori_loop(0, n if tries is None else min(tries, n), masked, init)
