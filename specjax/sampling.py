@@ -35,7 +35,12 @@ nucleus wider than the candidates) get the exact threshold from a 32-step binary
 over the ordered float32 bit patterns (again behind a batch-level ``lax.cond``; with
 ``V <= _CANDIDATES`` every value is a candidate and that path is not even compiled; on a
 GPU, :func:`sync_free`, a search with a fixed number of steps over every row instead, the
-same threshold without the cond's host sync).  Call
+same threshold without the cond's host sync).  The draft's pipeline
+(:func:`process_rows` with ``cut="candidates"``, what ``ProposeContext.process`` passes)
+leaves that search out: where a row's cut lies past its candidates, its draft law is cut at
+the last of them (the same law wherever the cut lies among them). The draft law may be any
+law the draft token was really drawn from, so the output stays the target's; only the
+target's law needs the exact cut.  Call
 ``process_logits`` on the whole batch, not under ``jax.vmap`` (``vmap`` turns ``cond``
 into ``select`` and every branch would run).
 
@@ -72,6 +77,7 @@ PerRow = Union[Scalar, Sequence[Scalar], np.ndarray]
 # How many of each row's largest values the top-k / top-p thresholds are looked for in
 # before falling back to the bit-pattern binary search.
 _CANDIDATES = 256
+CUTS = ("exact", "candidates")  # process_rows' cut: the target's, a draft's
 # Rows whose cut is not among the candidates are bisected this many at a time.
 _SLOW_ROWS = 8
 
@@ -530,8 +536,11 @@ def _exact_thresholds(z, top_k, top_p, topk_on, slow_k, t_k, t_p, slow):
     return t_k, t_p
 
 
-def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues = None):
-    """max(top-k threshold, top-p threshold) per row of z [N, V] (max 0); -inf if off."""
+def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues = None,
+                      cut: str = "exact"):
+    """max(top-k threshold, top-p threshold) per row of z [N, V] (max 0); -inf if off.
+    ``cut="candidates"``: a cut that lies past the candidates is made at the last of them
+    (what the candidates alone give: see :func:`process_rows`)."""
     n, v = z.shape
     m = min(_CANDIDATES, v)
     cand = _top_values(z, m, top_values)  # [N, M], descending
@@ -546,10 +555,11 @@ def _filter_threshold(z, top_k, top_p, topk_on, topp_on, top_values: TopValues =
     above = _mass_above(c, jnp.exp(c - lse_k[:, None]))
     ok = (above < top_p[:, None]) & (c > _NEG_INF)
     t_p = jnp.where(topp_on, jnp.min(jnp.where(ok, c, jnp.inf), axis=-1), _NEG_INF)
-    if m == v:
+    if m == v or cut == "candidates":
         # every value is a candidate, so every cut lies among them (k <= V = M): the
         # bisection could never run, and is not compiled (a small vocabulary's program,
-        # e.g. the tests' models, is ~20% fewer kernels)
+        # e.g. the tests' models, is ~20% fewer kernels); a draft's cut ("candidates") is
+        # what the candidates give: where the cut lies past them, t_k / t_p are the last one
         return jnp.maximum(t_k, t_p)
     slow_k = topk_on & (k > m)
     # The cut lies among the candidates iff the last one is already cut (or -inf).
@@ -697,7 +707,7 @@ def process_logits(logits, params: SamplingParams, counts=None, allowed=None, bi
     return _filtered(x, params, top_values)
 
 
-def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Array:
+def _filtered(x, params: SamplingParams, top_values: TopValues = None, cut: str = "exact") -> jax.Array:
     """The steps of :func:`process_logits` after the controls and penalties: temperature
     (0: greedy), top-k, top-p, min-p, normalization."""
     batch_shape, v = x.shape[:-1], x.shape[-1]
@@ -731,7 +741,7 @@ def _filtered(x, params: SamplingParams, top_values: TopValues = None) -> jax.Ar
     topp_on = (top_p < 1) & ~greedy[:, 0]
     thr = known_cond(  # rows without a filter get -inf from _filter_threshold as well
         settled(None if h is None else h.filters, True), lambda: jnp.any(topk_on | topp_on),
-        lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on, top_values),
+        lambda x: _filter_threshold(scaled(x), top_k, top_p, topk_on, topp_on, top_values, cut),
         lambda x: jnp.full(x.shape[:1], _NEG_INF, jnp.float32), x)
     # min-p: p(x) >= min_p * max p  <=>  z(x) >= log(min_p)  (log(0) = -inf: off).
     thr = jnp.maximum(thr, jnp.where(greedy[:, 0], _NEG_INF, jnp.log(min_p)))[:, None]
@@ -807,13 +817,19 @@ def _bcast(params, ndim_extra: int):
 
 
 def process_rows(logits, params, counts, use_penalties, allowed=None, bias=None,
-                 top_values: TopValues = None):
+                 top_values: TopValues = None, cut: str = "exact"):
     """The one sampling pipeline applied to [B, V] or [B, T, V] logits.
 
     ``counts`` is [B, V] or [B, T, V], or a function of no arguments that returns them
     (then they are computed only when a penalty is on). Penalty work is skipped with a
     batch-level ``lax.cond`` when no row uses a penalty (same law, less work).
+    ``cut`` (static): ``"exact"`` (the target's law) or ``"candidates"`` (a draft's: a
+    top-k / top-p cut that lies past the ``_CANDIDATES`` largest values of a row is made
+    at the last of them, without the exact search: the same law wherever the cut lies
+    among them, which at top-p 0.9 is nearly every row).
     """
+    if cut not in CUTS:
+        raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
     extra = logits.ndim - 2
     p = _bcast(params, extra)
     x = _controlled(logits, allowed, bias)
@@ -823,7 +839,7 @@ def process_rows(logits, params, counts, use_penalties, allowed=None, bias=None,
         h = current_hints()
         x = known_cond(None if h is None else h.penalties, lambda: use_penalties,
                        lambda x: _penalized(x, p, counts() if callable(counts) else counts), lambda x: x, x)
-    return _filtered(x, p, top_values)
+    return _filtered(x, p, top_values, cut)
 
 
 def sample_rows(keys, logprobs):

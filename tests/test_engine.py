@@ -151,6 +151,41 @@ def test_engine_mutants_fail_the_law_test(target, draft, mutant):
     assert chi.p_value < 1e-6, f"mutant {mutant} passed the law test (p={chi.p_value:.3g}); the test has no power"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["draft_cut", "mutant_target_cut"])
+def test_engine_law_with_a_draft_cut_at_its_candidates(target, draft, monkeypatch, variant):
+    """A draft's top-p cut is made at the last of the pipeline's candidates where the exact
+    cut lies past them (specjax.drafts.base.DRAFT_CUT); the target's stays exact. With the
+    candidates cut to 3 of the 8 tokens and a flat law (T = 8, top-p 0.95; the tiny models are peaked) the draft's
+    cut is the candidates' in most rounds and the target's needs the exact search: the
+    output law is still the target chain's. A mutant that cuts the target's law at its
+    candidates as well fails."""
+    import functools
+
+    k, n = 2, 4
+    cfg = sampling.SamplingConfig(temperature=8.0, top_p=0.95)
+    law = exact_chain_law(target, PROMPT, n, cfg)
+    monkeypatch.setattr(sampling, "_CANDIDATES", 3)
+    if variant == "mutant_target_cut":
+        monkeypatch.setattr(engine, "process_rows", functools.partial(sampling.process_rows, cut="candidates"))
+    jax.clear_caches()  # the candidates are read when a program is traced
+    try:
+        # the draft's first law: cut at its 3 candidates, where the exact nucleus is wider
+        logits = draft.apply(draft.params, jnp.asarray([PROMPT]), draft.init_cache(1, 8)).logits[:, -1]
+        q = [np.isfinite(np.asarray(sampling.process_rows(logits, cfg.to_params(1), None, jnp.asarray(False), cut=c))).sum()
+             for c in ("candidates", "exact")]
+        assert q[0] == 3 < q[1], q
+        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, k), "token")
+        hist = _engine_hist(eng, cfg, n, rows=ROWS // 2 if variant == "draft_cut" else ROWS // 4)
+    finally:
+        jax.clear_caches()
+    chi = chi_square_test(hist, law)
+    if variant == "draft_cut":
+        assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
+    else:
+        assert chi.p_value < 1e-6, f"the mutant passed the law test (p={chi.p_value:.3g}); the test has no power"
+
+
 # generation controls: min_new_tokens (the stop token 0 is masked before 2 tokens), an
 # allowed set, a banned token and a logit bias, through the one pipeline for both models
 STOP = 0

@@ -399,3 +399,68 @@ def test_fixed_search_finds_the_bisections_threshold():
                 got = jax.jit(lambda *x, m=m, bits=bits: sampling._lift_threshold(x[0], m, *x[1:], bits=bits))(
                     z, target, a, b)
                 np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(want).view(np.int32))
+
+
+def _candidate_reference(logits, temperature, top_k, top_p, m=256):
+    """A draft's law (cut="candidates"): the reference pipeline where its cut lies among
+    the m largest values; else the law renormalized over those m values (no min-p here)."""
+    ref = reference_row(logits, temperature, top_k, top_p, 0.0)
+    if np.isfinite(ref).sum() <= m or not (0 < top_k < len(ref) or top_p < 1):
+        return ref
+    z = np.asarray(logits, np.float64) / temperature
+    keep = z >= np.sort(z)[::-1][m - 1]
+    zz = np.where(keep, z, -np.inf)
+    return zz - zz.max() - np.log(np.sum(np.exp(zz - zz.max())))
+
+
+def test_draft_cut_at_the_candidates():
+    """process_rows(cut="candidates"), a draft's pipeline: the exact law's bits wherever
+    the top-k / top-p cut lies among the 256 candidates; where it lies past them (a flat
+    row's wide nucleus, a top-k of 400) the law over the candidates, renormalized."""
+    from specjax import sampling
+
+    rng = np.random.default_rng(11)
+    v, b = 700, 6
+    logits = (rng.normal(size=(b, v)) * np.array([[0.3], [0.3], [8.0], [8.0], [0.3], [1.0]])).astype(np.float32)
+    t = np.array([1.0, 1.0, 1.0, 0.7, 1.0, 1.0], np.float32)
+    k = np.array([0, 400, 0, 20, 0, 0], np.int32)
+    p = np.array([0.9, 1.0, 0.9, 0.9, 1.0, 0.5], np.float32)
+    params = SamplingParams.create(b, t, k, p, np.zeros(b, np.float32))
+    rows = jax.jit(sampling.process_rows, static_argnames="cut")
+    exact = np.asarray(rows(logits, params, None, jnp.asarray(False)))
+    cand = np.asarray(rows(logits, params, None, jnp.asarray(False), cut="candidates"))
+    kept = np.isfinite(exact).sum(-1)  # what each row tests: cuts past the candidates (0, 1),
+    assert (kept[:2] > 256).all() and (kept[[2, 3, 5]] <= 256).all() and kept[4] == v  # among them, none
+    wide = np.arange(b) < 2
+    np.testing.assert_array_equal(cand[~wide], exact[~wide])
+    for r in range(b):
+        ref = _candidate_reference(logits[r], t[r], k[r], p[r])
+        np.testing.assert_array_equal(np.isfinite(cand[r]), np.isfinite(ref), err_msg=f"row {r}")
+        np.testing.assert_allclose(cand[r][np.isfinite(ref)], ref[np.isfinite(ref)], atol=2e-5)
+    assert (np.isfinite(cand[wide]).sum(-1) == 256).all()
+    with pytest.raises(ValueError, match="cut must be one of"):
+        sampling.process_rows(logits, params, None, jnp.asarray(False), cut="approx")
+
+
+def test_a_drafts_pipeline_cuts_at_the_candidates(monkeypatch):
+    """ProposeContext.process, the pipeline every proposer calls: the candidates' cut
+    (drafts.base.DRAFT_CUT), the target's exact cut where it is set to "exact"."""
+    from specjax import sampling
+    from specjax.drafts import base
+
+    rng = np.random.default_rng(12)
+    b, v = 3, 700
+    logits = jnp.asarray(rng.normal(size=(b, v)) * 0.3, jnp.float32)  # flat: wide nuclei
+    params = SamplingConfig(temperature=1.0, top_p=0.9).to_params(b)
+    ctx = base.ProposeContext(seq=jnp.zeros((b, 8), jnp.int32), seq_len=jnp.full((b,), 4, jnp.int32),
+                              params=params, counts=jnp.zeros((b, v), jnp.int32),
+                              round_keys=jax.random.split(jax.random.key(0), b),
+                              use_penalties=jnp.asarray(False))
+    got = np.asarray(ctx.process(logits, ctx.counts, 0))
+    want = np.asarray(sampling.process_rows(logits, params, None, jnp.asarray(False), cut="candidates"))
+    np.testing.assert_array_equal(got, want)
+    assert (np.isfinite(got).sum(-1) == 256).all()
+    monkeypatch.setattr(base, "DRAFT_CUT", "exact")
+    exact = np.asarray(ctx.process(logits, ctx.counts, 0))
+    np.testing.assert_array_equal(exact, np.asarray(process(logits, params)))
+    assert (np.isfinite(exact).sum(-1) > 256).all()
