@@ -79,6 +79,9 @@ def main(argv=None) -> int:
             def k_rounds(outs):
                 return np.sum([np.asarray(o.raw["k_rounds"]) for o in outs], axis=0).tolist()
 
+            def switches(outs):  # branches entered: one per call and one per change of j
+                return int(np.sum([int(o.raw["switches"]) for o in outs]))
+
             def prefill():  # the autoregressive engine making one token: about its prefill
                 return [ar.generate(g, seed=0, sampling_params=sp, max_new_tokens=1) for g in groups]
 
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
                        prefill_s=med("prefill"),
                        auto_s=med("auto"), speedup=speedup("auto"),
                        speedup_quartiles=[round(float(x), 3) for x in np.quantile(ts["ar"] / ts["auto"], [0.25, 0.75])],
-                       rounds_by_draft_tokens=k_rounds(outs["auto"]))
+                       rounds_by_draft_tokens=k_rounds(outs["auto"]), branches_entered=switches(outs["auto"]))
             pre = float(np.median(ts["prefill"]))
             for k in fixed:
                 row[f"k{k}_s"], row[f"k{k}_speedup"] = med(f"k{k}"), speedup(f"k{k}")

@@ -88,7 +88,8 @@ def grid(a, target, draft, tok, lines):
                     if out.stats is not None:
                         n = sum(len(x) for x in out.tokens)
                         info[name] = dict(tokens_per_round=n / sum(s.rounds for s in out.stats),
-                                          k_rounds=np.asarray(out.raw["k_rounds"]).tolist())
+                                          k_rounds=np.asarray(out.raw["k_rounds"]).tolist(),
+                                          switches=int(out.raw["switches"]))
             base = float(np.median(times["autoregressive"]))
             for name in engines:
                 med = float(np.median(times[name]))
@@ -222,12 +223,12 @@ def main():
         out["dataset"] = dataset(a, target, draft, tok)
     md = lines + [""]
     if out["grid"]:
-        md += ["| batch | T | setting | s (median) | tok/s | speedup | tok/round | rounds by draft tokens |",
-               "|---|---|---|---|---|---|---|---|"]
+        md += ["| batch | T | setting | s (median) | tok/s | speedup | tok/round | rounds by draft tokens | branches entered |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for r in out["grid"]:
             md.append(f"| {r['batch']} | {r['temperature']:g} | {r['setting']} | {r['seconds']:.2f} | "
                       f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r.get('tokens_per_round', float('nan')):.2f} | "
-                      f"{r.get('k_rounds', '')} |")
+                      f"{r.get('k_rounds', '')} | {r.get('switches', '')} |")
         md.append("")
     if out["dataset"]:
         md += ["| setting | mode | s | tokens | ms/token | loop iterations | slot iterations | tok/iteration/slot | rows' tok/round | ratio | same tokens as fixed |",

@@ -409,7 +409,9 @@ class RoundStats:
 class AutoState:
     """What the adaptive speculation length (``k="auto"``) learns, for the whole batch:
     decayed counts of draft positions reached and accepted, rounds since the last round
-    that drafted, the probe interval, and how many rounds drafted each j = 0..K tokens."""
+    that drafted, the probe interval, how many rounds drafted each j = 0..K tokens, and how
+    many times the loop entered a branch (``switches``: one per call or resume, and one per
+    change of j; on a GPU each costs a few host syncs, the branch chain's conditionals)."""
 
     accepted: jax.Array  # float32[K]: decayed count of accepted drafts at position i
     reached: jax.Array  # float32[K]: decayed count of verified drafts at position i
@@ -417,12 +419,13 @@ class AutoState:
     k_rounds: jax.Array  # int32[K+1]: rounds that drafted j tokens
     gap: jax.Array  # int32 scalar: plain rounds in a row before a probe (AUTO_PROBE..AUTO_PROBE_MAX)
     probing: jax.Array  # bool scalar: the last round that drafted was a probe
+    switches: jax.Array  # int32 scalar: branches entered (the outer loop's iterations)
 
     @classmethod
     def zeros(cls, k: int) -> "AutoState":
         return cls(accepted=jnp.zeros((k,), jnp.float32), reached=jnp.zeros((k,), jnp.float32),
                    since=jnp.int32(0), k_rounds=jnp.zeros((k + 1,), jnp.int32),
-                   gap=jnp.int32(AUTO_PROBE), probing=jnp.bool_(False))
+                   gap=jnp.int32(AUTO_PROBE), probing=jnp.bool_(False), switches=jnp.int32(0))
 
     def drafted(self, j: int, active, num_draft, num_accepted) -> "AutoState":
         """After a round that drafted j >= 1 tokens: a probe if it came after ``gap`` plain
@@ -443,7 +446,8 @@ class AutoState:
         return AutoState(accepted=g * self.accepted + jnp.sum(acc, axis=0, dtype=jnp.float32),
                          reached=g * self.reached + jnp.sum(reached, axis=0, dtype=jnp.float32),
                          since=jnp.int32(0), k_rounds=self.k_rounds.at[j].add(1),
-                         gap=jnp.where(probe, self.gap, jnp.int32(AUTO_PROBE)), probing=probe)
+                         gap=jnp.where(probe, self.gap, jnp.int32(AUTO_PROBE)), probing=probe,
+                         switches=self.switches)
 
     def plain(self) -> "AutoState":
         """After a round that drafted nothing. Right after a probe (the probe did not make
@@ -1264,7 +1268,7 @@ def _with_k(proposer, j: int):
                     f"field k); {type(proposer).__name__} is not one")
 
 
-BATCH_LEVEL = ("k_rounds", "iterations")  # results of the whole loop, not per row
+BATCH_LEVEL = ("k_rounds", "switches", "iterations")  # results of the whole loop, not per row
 
 
 def _host(res: dict) -> dict:
@@ -1481,8 +1485,12 @@ class SpeculativeEngine(_Sharded):
             return lambda x: jax.lax.while_loop(go_on, step, (settle(x[0], drafting=j > 0),) + x[1:])
 
         branches = [branch(j) for j in range(self.k + 1)]
-        out = jax.lax.while_loop(lambda x: more(x[0]), lambda x: _run_branch(x[2], branches, x),
-                                 (carry, *choice(carry)))
+
+        def enter(x):  # one iteration per branch entered: counted (AutoState.switches)
+            c = x[0].replace(auto=x[0].auto.replace(switches=x[0].auto.switches + 1))
+            return _run_branch(x[2], branches, (c,) + x[1:])
+
+        out = jax.lax.while_loop(lambda x: more(x[0]), enter, (carry, *choice(carry)))
         return out[0]
 
     def _advance_program(self, carry, target_params, draft_params, row_keys, params, controls,
@@ -1507,7 +1515,7 @@ class SpeculativeEngine(_Sharded):
 
     def _finish_program(self, carry: SpecCarry, out_cap: int) -> dict:
         stats = {f.name: getattr(carry.stats, f.name) for f in dataclasses.fields(carry.stats)}
-        stats.update(k_rounds=carry.auto.k_rounds, iterations=carry.round)
+        stats.update(k_rounds=carry.auto.k_rounds, switches=carry.auto.switches, iterations=carry.round)
         out = self._c_out(dict(_outputs(carry.state, out_cap), **stats))
         return dict(out, proposer_state=carry.proposer_state)
 
@@ -1936,7 +1944,7 @@ class SpeculativeEngine(_Sharded):
         order; ``raw`` adds ``iterations`` (loop iterations of the whole run),
         ``batch_size``, ``inserts``, ``stages`` ((slots, loop iterations) per batch size
         the run went through), ``slot_iterations`` (their sum of slots x iterations) and,
-        for this engine, ``k_rounds``. ``compact``: when no prompt is left, the running
+        for this engine, ``k_rounds`` and ``switches``. ``compact``: when no prompt is left, the running
         rows move to fewer slots: True b/2, b/4, ..., 1; or a list of sizes (e.g. ``[12, 8,
         6, 4, 3, 2, 1]``: fewer idle slots, more programs); False: never. With k="auto"
         a size with no cost table borrows the table of the nearest larger size that has

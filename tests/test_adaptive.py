@@ -417,3 +417,29 @@ def test_no_probe_where_the_batch_has_too_few_tokens_left_to_use_it():
     assert int(engine.choose_k(st, flat)) == 1 and int(engine.choose_k(st, flat, jnp.full((4,), 100))) == 1
     assert int(engine.choose_k(st, flat, jnp.full((4,), 20))) == 0
     assert int(engine.choose_k(st, flat, jnp.full((4,), 20), tail=False)) == 1
+
+
+class _Runs(engine.SpeculativeEngine):
+    """j by the round index: 0 for rounds 0-2, 1 for rounds 3-5, 0 again, ... (history only)."""
+
+    def choose_k(self, c, costs, inputs, tail=True):
+        return jnp.broadcast_to((c.round // 3) % 2, c.state.seq_len.shape).astype(jnp.int32)
+
+
+def test_branches_entered_are_counted(target, draft):
+    """``raw["switches"]``: the loop's branches entered, one per call and one per change of
+    j (each costs a GPU a few host syncs: the branch chain's conditionals); a fixed j enters
+    one branch, a fixed-K engine none."""
+    cfg = dict(sampling_params=sampling.SamplingConfig(temperature=1.0), max_new_tokens=20, seed=1)
+    runs = _Runs(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={1: [1, 1, 1]})
+    out = runs.generate([PROMPT], **cfg)
+    rounds = int(out.raw["iterations"])
+    assert rounds > 6 and int(out.raw["switches"]) == -(-rounds // 3), (rounds, out.raw["switches"])
+    for j in range(K + 1):
+        forced = [1.0 if i == j else np.inf for i in range(K + 1)]
+        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True,
+                                       costs={1: forced})
+        out = eng.generate([PROMPT], **cfg)
+        assert int(out.raw["switches"]) == 1 and out.raw["k_rounds"][j] == out.raw["iterations"], j
+    fixed = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token")
+    assert int(fixed.generate([PROMPT], **cfg).raw["switches"]) == 0
