@@ -262,6 +262,8 @@ def _parser():
     ap.add_argument("--ks", default="1,3", help="fixed K of the speculative engines ('' for none)")
     ap.add_argument("--auto", action="store_true", help="also k=auto")
     ap.add_argument("--tree", action="store_true", help="also the default draft tree (method 'tree')")
+    ap.add_argument("--tree-nodes", type=int, default=0,
+                    help="with --tree: sampled rounds draw the N-node positional tree (TreeSpec.sampled_nodes)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="top-p of the sampled rows (the CLI's default is 0.9; 1: off)")
@@ -310,7 +312,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from specjax import sampling
-    from specjax.build import clear_engines, make_autoregressive_engine, make_engine
+    from specjax.build import TreeSpec, clear_engines, make_autoregressive_engine, make_engine
     from specjax.engine import resolve_batch_hints
 
     results = []
@@ -334,7 +336,9 @@ def main(argv=None) -> int:
         if a.auto:
             engines.append(("k=auto", lambda: make_engine(target, draft, "auto")))
         if a.tree:
-            engines.append(("tree", lambda: make_engine(target, draft, method="tree")))
+            spec = TreeSpec(sampled_nodes=a.tree_nodes) if a.tree_nodes else None
+            name = f"tree-{a.tree_nodes}" if a.tree_nodes else "tree"
+            engines.append((name, lambda: make_engine(target, draft, method="tree", tree=spec)))
         for h in hints:
             os.environ["SPECJAX_BATCH_HINTS"] = h
             clear_engines()  # an engine reads the switch when it is made

@@ -1655,7 +1655,7 @@ class SpeculativeEngine(_Sharded):
         b, n = tree.tokens.shape
         v = tgt.vocab_size
         tokens = jnp.clip(tree.tokens, 0, v - 1)
-        anc = self.tree_mask(tree)  # [B, N, N]
+        anc = self.tree_mask(tree, depth_max)  # [B, N, N]
         # the committed last token (the root, depth 0) then the nodes
         full_mask = jnp.concatenate([
             jnp.concatenate([jnp.ones((b, 1, 1), bool), jnp.zeros((b, 1, n), bool)], axis=2),
@@ -1701,9 +1701,11 @@ class SpeculativeEngine(_Sharded):
                          round=c.round + 1, auto=c.auto)
 
     @staticmethod
-    def tree_mask(tree) -> jax.Array:
-        """bool[B, N, N]: node i attends to node j iff j is i or an ancestor of i."""
-        return jax.vmap(_tree.ancestor_mask)(tree.parent, tree.valid) | jnp.eye(tree.parent.shape[1], dtype=bool)
+    def tree_mask(tree, max_depth=None) -> jax.Array:
+        """bool[B, N, N]: node i attends to node j iff j is i or an ancestor of i
+        (``max_depth``: the proposer's static bound on a node's depth, None: N)."""
+        mask = jax.vmap(lambda p, v: _tree.ancestor_mask(p, v, max_depth))(tree.parent, tree.valid)
+        return mask | jnp.eye(tree.parent.shape[1], dtype=bool)
 
     @staticmethod
     def accepted_path_cache(cache, start, path, num):

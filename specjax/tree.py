@@ -244,19 +244,25 @@ def chain_tree(draft_tokens, draft_logprobs=None, num_draft=None) -> DraftTree:
     return DraftTree(draft_tokens, idx - 1, idx + 1, idx < n, q_root, q_node)
 
 
-def ancestor_mask(parent, valid=None) -> jax.Array:
+def ancestor_mask(parent, valid=None, max_depth: Optional[int] = None) -> jax.Array:
     """bool[N, N]: ``m[i, j]`` iff node j is node i or one of its ancestors (the tree
     attention mask over the draft nodes; every node also sees the committed prefix).
-    ``parent`` must be topological; invalid nodes get empty rows."""
+    ``parent`` must be acyclic (-1: a child of the root); invalid nodes get empty rows.
+    ``max_depth`` (static): no node lies deeper (root children: depth 1), so a node has at
+    most ``max_depth - 1`` ancestors among the nodes; None: N.
+
+    Every node's ancestors at once, one step up the tree at a time (``max_depth - 1``
+    gathers of an [N] vector), not a loop over the nodes: on a GPU that loop ran 3 kernels a
+    node every round (18 for the default 6-node tree, 132 for the 44-node one)."""
     parent = jnp.asarray(parent, jnp.int32)
     n = parent.shape[0]
-    eye = jnp.eye(n, dtype=bool)
-
-    def body(i, m):
-        row = eye[i] | jnp.where(parent[i] >= 0, m[jnp.maximum(parent[i], 0)], False)
-        return m.at[i].set(row)
-
-    m = jax.lax.fori_loop(0, n, body, jnp.zeros((n, n), bool))
+    steps = n - 1 if max_depth is None else max(0, min(int(max_depth), n) - 1)
+    nodes = jnp.arange(n, dtype=jnp.int32)
+    up = nodes  # each node's ancestor `step` levels up (-1: above the nodes)
+    m = nodes[:, None] == nodes[None, :]
+    for _ in range(steps):
+        up = jnp.where(up >= 0, parent[jnp.maximum(up, 0)], -1)
+        m = m | (up[:, None] == nodes[None, :])
     if valid is not None:
         m = m & jnp.asarray(valid, bool)[:, None]
     return m

@@ -73,7 +73,7 @@ class _CausalTreeMask(engine.SpeculativeEngine):
     """Every node attends to every earlier node (a chain's mask), not to its ancestors only."""
 
     @staticmethod
-    def tree_mask(tree):
+    def tree_mask(tree, max_depth=None):
         n = tree.parent.shape[1]
         return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), tree.parent.shape + (n,))
 

@@ -166,6 +166,29 @@ def test_tree_mutants_fail_exact_and_monte_carlo(mutant, candidates):
     assert not mc.passed and mc.chi2.p_value < 1e-6
 
 
+def test_ancestor_mask_of_random_trees():
+    """The mask's rows are each node's path (itself and its ancestors) for random
+    topological trees, with the depth bound and without; a bound one level too small
+    misses the deepest nodes' roots."""
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 7, 30, 44):
+        parent = np.array([rng.integers(-1, i) for i in range(n)], np.int32)  # topological
+        depth = T.shape_depths(parent)
+        valid = rng.random(n) < 0.8
+        want = np.zeros((n, n), bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                want[i, j] = True
+                j = parent[j]
+        for bound in (None, int(depth.max()), n):
+            np.testing.assert_array_equal(np.asarray(T.ancestor_mask(parent, max_depth=bound)), want)
+            np.testing.assert_array_equal(np.asarray(T.ancestor_mask(parent, valid, bound)), want & valid[:, None])
+        if depth.max() > 1:
+            short = np.asarray(T.ancestor_mask(parent, max_depth=int(depth.max()) - 1))
+            assert not np.array_equal(short, want)
+
+
 def test_wrong_tree_mask_fails_exact_and_monte_carlo():
     """The target scores each depth-2 node after its parent's sibling (a wrong mask)."""
     target, draft, parent = _case("v4_b2_d2")
