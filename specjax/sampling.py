@@ -35,12 +35,12 @@ nucleus wider than the candidates) get the exact threshold from a 32-step binary
 over the ordered float32 bit patterns (again behind a batch-level ``lax.cond``; with
 ``V <= _CANDIDATES`` every value is a candidate and that path is not even compiled; on a
 GPU, :func:`sync_free`, a search with a fixed number of steps over every row instead, the
-same threshold without the cond's host sync).  The draft's pipeline
-(:func:`process_rows` with ``cut="candidates"``, what ``ProposeContext.process`` passes)
-leaves that search out: where a row's cut lies past its candidates, its draft law is cut at
-the last of them (the same law wherever the cut lies among them). The draft law may be any
-law the draft token was really drawn from, so the output stays the target's; only the
-target's law needs the exact cut.  Call
+same threshold without the cond's host sync).  A draft's pipeline on a GPU
+(:func:`process_rows` with ``cut="candidates"``, what ``ProposeContext.process`` passes
+there: ``specjax.drafts.base.draft_cut``) leaves that search out: where a row's cut lies
+past its candidates, its draft law is cut at the last of them (the same law wherever the cut
+lies among them). The draft law may be any law the draft token was really drawn from, so
+the output stays the target's; only the target's law needs the exact cut.  Call
 ``process_logits`` on the whole batch, not under ``jax.vmap`` (``vmap`` turns ``cond``
 into ``select`` and every branch would run).
 

@@ -154,8 +154,9 @@ def test_engine_mutants_fail_the_law_test(target, draft, mutant):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["draft_cut", "mutant_target_cut"])
 def test_engine_law_with_a_draft_cut_at_its_candidates(target, draft, monkeypatch, variant):
-    """A draft's top-p cut is made at the last of the pipeline's candidates where the exact
-    cut lies past them (specjax.drafts.base.DRAFT_CUT); the target's stays exact. With the
+    """A draft's top-p cut made at the last of the pipeline's candidates where the exact
+    cut lies past them (specjax.drafts.base.DRAFT_CUT, the GPU's default); the target's
+    stays exact. With the
     candidates cut to 3 of the 8 tokens and a flat law (T = 8, top-p 0.95; the tiny models are peaked) the draft's
     cut is the candidates' in most rounds and the target's needs the exact search: the
     output law is still the target chain's. A mutant that cuts the target's law at its
@@ -166,6 +167,8 @@ def test_engine_law_with_a_draft_cut_at_its_candidates(target, draft, monkeypatc
     cfg = sampling.SamplingConfig(temperature=8.0, top_p=0.95)
     law = exact_chain_law(target, PROMPT, n, cfg)
     monkeypatch.setattr(sampling, "_CANDIDATES", 3)
+    from specjax.drafts import base
+    monkeypatch.setattr(base, "DRAFT_CUT", "candidates")  # the GPU's default, on the CPU
     if variant == "mutant_target_cut":
         monkeypatch.setattr(engine, "process_rows", functools.partial(sampling.process_rows, cut="candidates"))
     jax.clear_caches()  # the candidates are read when a program is traced

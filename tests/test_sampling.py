@@ -443,8 +443,9 @@ def test_draft_cut_at_the_candidates():
 
 
 def test_a_drafts_pipeline_cuts_at_the_candidates(monkeypatch):
-    """ProposeContext.process, the pipeline every proposer calls: the candidates' cut
-    (drafts.base.DRAFT_CUT), the target's exact cut where it is set to "exact"."""
+    """ProposeContext.process, the pipeline every proposer calls: the candidates' cut on the
+    backends of drafts.base.CANDIDATE_CUT_BACKENDS (a GPU) or where DRAFT_CUT says so, the
+    target's exact cut elsewhere (the CPU) or where it says "exact"."""
     from specjax import sampling
     from specjax.drafts import base
 
@@ -456,11 +457,13 @@ def test_a_drafts_pipeline_cuts_at_the_candidates(monkeypatch):
                               params=params, counts=jnp.zeros((b, v), jnp.int32),
                               round_keys=jax.random.split(jax.random.key(0), b),
                               use_penalties=jnp.asarray(False))
-    got = np.asarray(ctx.process(logits, ctx.counts, 0))
     want = np.asarray(sampling.process_rows(logits, params, None, jnp.asarray(False), cut="candidates"))
-    np.testing.assert_array_equal(got, want)
-    assert (np.isfinite(got).sum(-1) == 256).all()
-    monkeypatch.setattr(base, "DRAFT_CUT", "exact")
-    exact = np.asarray(ctx.process(logits, ctx.counts, 0))
-    np.testing.assert_array_equal(exact, np.asarray(process(logits, params)))
+    assert (np.isfinite(want).sum(-1) == 256).all()
+    exact = np.asarray(process(logits, params))
     assert (np.isfinite(exact).sum(-1) > 256).all()
+    for setting, backends, expect in ((None, ("gpu",), exact), (None, ("gpu", "cpu"), want),
+                                      ("candidates", (), want), ("exact", ("cpu",), exact)):
+        monkeypatch.setattr(base, "DRAFT_CUT", setting)
+        monkeypatch.setattr(base, "CANDIDATE_CUT_BACKENDS", backends)
+        np.testing.assert_array_equal(np.asarray(ctx.process(logits, ctx.counts, 0)), expect,
+                                      err_msg=f"{setting} {backends}")

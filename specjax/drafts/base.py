@@ -41,9 +41,8 @@ Exactness never depends on the proposer: only the verifier's maths does. What th
 proposer must guarantee is that ``tokens[b, i]`` was drawn from ``exp(logprobs[b, i])``
 (a deterministic proposer reports a point mass), through the shared pipeline
 (:meth:`ProposeContext.process`: the context's parameters, counts, ``top_values`` and
-generation controls) so that q is processed like the target's p: the same steps, except
-that a draft's top-k / top-p cut never needs the exact search past the pipeline's
-candidates (:data:`DRAFT_CUT`).
+generation controls) so that q is processed like the target's p: the same steps (on a
+GPU a draft's top-k / top-p cut stops at the pipeline's candidates: :data:`DRAFT_CUT`).
 """
 from __future__ import annotations
 
@@ -54,15 +53,27 @@ import jax
 import jax.numpy as jnp
 
 
-# How a draft's top-k / top-p cut is made (specjax.sampling.process_rows' ``cut``): where a
-# row's cut lies past the pipeline's 256 candidates (a nucleus wider than them, a top-k
-# above them), the draft law is cut at the last candidate instead of at the exact cut,
-# which would need the exact search: on a GPU a fixed search of ~16 kernels per draft
-# position (51 of a K=3 round's 716 at T = 1, top-p 0.9, compiled for an H200), on the CPU a
-# conditional bisection. The same law wherever the cut lies among the candidates (at T = 0.7
-# top-p 0.9, every round of the benchmark's prompts); exactness never depends on the
-# draft law, only on the token having been drawn from it. "exact": the target's own cut.
-DRAFT_CUT = "candidates"
+# How a draft's top-k / top-p cut is made (specjax.sampling.process_rows' ``cut``), for
+# the draft laws of every proposer (ProposeContext.process). "candidates": where a row's cut
+# lies past the pipeline's 256 candidates (a nucleus wider than them, a top-k above them),
+# the draft law is cut at the last candidate instead of at the exact cut, which needs the
+# exact search: on a GPU a fixed search of ~16 kernels per draft position (51 of a K=3
+# round's 716 at T = 1, top-p 0.9, compiled for an H200). The same law wherever the cut lies
+# among the candidates. Exactness never depends on the draft law, only on the token having
+# been drawn from it; acceptance does: measured on the CPU (BENCHMARKS.md, "A draft's top-k /
+# top-p cut at the pipeline's candidates") it was unchanged at T = 1 top-p 0.9, up 2% at
+# top-k 1000, but down 7% at T = 1.3 top-p 0.95, where nuclei are wide. "exact": the
+# target's own cut (on the CPU a conditional bisection, which costs only where it runs).
+# None: "candidates" on the backends of CANDIDATE_CUT_BACKENDS, else "exact".
+DRAFT_CUT: Optional[str] = None
+CANDIDATE_CUT_BACKENDS = ("gpu",)
+
+
+def draft_cut() -> str:
+    """The draft's cut (:data:`DRAFT_CUT`), resolved for the backend being traced for."""
+    if DRAFT_CUT is not None:
+        return DRAFT_CUT
+    return "candidates" if jax.default_backend() in CANDIDATE_CUT_BACKENDS else "exact"
 
 
 class ProposeContext(NamedTuple):
@@ -86,9 +97,8 @@ class ProposeContext(NamedTuple):
         sampling parameters, penalties (``counts`` [B, V] or [B, T, V]: history including
         the drafts before this position; or a function of no arguments returning them,
         computed only when a penalty is on) and the generation controls at generated-token
-        index ``gen_len + position``, exactly as the target gets them at that position,
-        with one difference, :data:`DRAFT_CUT`: a top-k / top-p cut past the pipeline's
-        256 candidates is made at the last of them."""
+        index ``gen_len + position``, exactly as the target gets them at that position
+        (the top-k / top-p cut: :func:`draft_cut`)."""
         from specjax.sampling import process_rows
 
         allowed = bias = None
@@ -99,7 +109,7 @@ class ProposeContext(NamedTuple):
                 allowed = allowed[:, None]
             bias = self.controls.bias_at(logits.ndim)
         return process_rows(logits, self.params, counts, self.use_penalties, allowed=allowed,
-                            bias=bias, top_values=self.top_values, cut=DRAFT_CUT)
+                            bias=bias, top_values=self.top_values, cut=draft_cut())
 
 
 class CommitContext(NamedTuple):
