@@ -483,7 +483,7 @@ def run_generate(a) -> int:
             "mean_alpha": float(np.mean(alphas)) if alphas else float("nan"),
             "draft": desc["kind"] if desc["spec"] == "default" else desc["spec"],
             "rounds_by_draft_tokens": np.asarray(spec.raw["k_rounds"]).tolist(),
-            "branch_switches": int(spec.raw["switches"]),
+            "branches_entered": int(spec.raw["switches"]),
             "rounds": rounds, "drafted": drafted, "accepted": accepted,
         }
         report["texts"] = _texts(spec, tok)
@@ -564,7 +564,7 @@ def run_generate(a) -> int:
                      f"{'x'.join(map(str, t.branching))} {t.candidates})"))
         elif a.k == "auto":
             ks = (f"K=auto (rounds by draft tokens: {', '.join(f'{j}: {r}' for j, r in enumerate(kr) if r)}; "
-                  f"{s['branch_switches']} branches entered)")
+                  f"{s['branches_entered']} branches entered)")
         else:
             ks = f"K={a.k}"
         print(f"[specjax] {a.method} verification, {ks}, draft={s['draft']}: "

@@ -263,6 +263,6 @@ def test_prompts_file_is_a_dataset_run(hf_folder, tmp_path, capsys):
     assert report["prompts"] == ["one", "two two", "three three three"] and len(report["texts"]) == 3
     assert report["dataset"] == {"batch_size": 2, "inserts": 1, "loop_iterations": report["dataset"]["loop_iterations"]}
     assert report["k"] == "auto" and sum(report["speculative"]["rounds_by_draft_tokens"]) > 0
-    assert report["speculative"]["branch_switches"] >= 2  # one per resume at least (the insert's)
+    assert report["speculative"]["branches_entered"] >= 2  # one per resume at least (the insert's)
     assert cli.main(argv + ["--no-stream"]) == 0  # the text summary of k=auto (costs saved: no measuring)
     assert "verification, K=auto (rounds by draft tokens: " in capsys.readouterr().out

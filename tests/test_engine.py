@@ -156,11 +156,10 @@ def test_engine_mutants_fail_the_law_test(target, draft, mutant):
 def test_engine_law_with_a_draft_cut_at_its_candidates(target, draft, monkeypatch, variant):
     """A draft's top-p cut made at the last of the pipeline's candidates where the exact
     cut lies past them (specjax.drafts.base.DRAFT_CUT, the GPU's default); the target's
-    stays exact. With the
-    candidates cut to 3 of the 8 tokens and a flat law (T = 8, top-p 0.95; the tiny models are peaked) the draft's
-    cut is the candidates' in most rounds and the target's needs the exact search: the
-    output law is still the target chain's. A mutant that cuts the target's law at its
-    candidates as well fails."""
+    stays exact. With the candidates cut to 3 of the 8 tokens and a flat law (T = 8, top-p
+    0.95; the tiny models are peaked) the draft's cut is the candidates' in most rounds and
+    the target's needs the exact search: the output law is still the target chain's. A
+    mutant that cuts the target's law at its candidates as well fails."""
     import functools
 
     k, n = 2, 4
