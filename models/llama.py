@@ -1014,7 +1014,7 @@ class Block(nnx.Module):
         -> [B*T, the weight's other axes]."""
         B, T, D = x.shape
         w = self._p(name, layer).astype(self.cfg.compute_dtype)
-        return jax.lax.dot_general(x.reshape(B * T, D), w, (((1,), (axis,)), ((), ())))
+        return _product(x.reshape(B * T, D), w, axis)
 
     def _mm_blocks(self, x, name, layer):
         """:meth:`_mm` for GGUF block weights: the block kernel where it applies (a stacked
@@ -1115,19 +1115,37 @@ def _linear(x, w, cpu_kernels: str = "xla"):
     return _matmul(x2, w2.astype(x2.dtype)).reshape(B, T, -1)
 
 
+# backends whose compilers rewrite a one-row weight product (a vector times a matrix) into an
+# elementwise multiply and a reduction (see _product)
+ONE_ROW_AS_TWO = ("gpu", "tpu")
+
+
+def _product(x2, w, axis: int = 0, preferred=None):
+    """``x2 [M, D]`` times ``w`` contracted on its axis ``axis`` -> ``[M, w's other axes]``.
+
+    On a GPU and a TPU one row is computed as two, so that the compiler keeps a matrix
+    product, which reads the weight once. Both rewrite a vector-matrix product into a
+    multiply and a reduction: XLA's GPU compiler below ~10M multiply-adds
+    (``DotStrengthReduction``), and where the output is narrow (SmolLM2's o and down
+    projections, Llama-3.2-1B's o projection) it first writes the transposed products, a
+    weight-sized array, and reads them back; XLA:TPU at every size, on the vector units
+    instead of the matrix unit, at 2.2-4.3x the cycles of the two-row product by its own
+    estimate (the llama3-8b shape's layers and LM head). ``scripts/accel_aot.py``, batch 1,
+    bf16: a SmolLM2-135M decode step on the H200 names 282 MB instead of 424; the llama3-8b
+    shape's step on a TPU v5p is estimated at 18.3M cycles instead of 43.5M (BENCHMARKS.md).
+    The second row: on a GPU the same row (a zero row adds a kernel per product), on a TPU a
+    zero row (the same row is estimated 17% dearer). Elsewhere (the CPU) one plain product."""
+    dims = (((1,), (axis,)), ((), ()))
+    backend = jax.default_backend()
+    if x2.shape[0] == 1 and backend in ONE_ROW_AS_TWO:
+        two = jnp.broadcast_to(x2, (2,) + x2.shape[1:]) if backend == "gpu" else jnp.pad(x2, ((0, 1), (0, 0)))
+        return jax.lax.dot_general(two, w, dims, preferred_element_type=preferred)[:1]
+    return jax.lax.dot_general(x2, w, dims, preferred_element_type=preferred)
+
+
 def _matmul(x2, w):
-    """``x2 [M, D] @ w [D, *out]``. On a GPU one row is computed as two equal rows: XLA's
-    GPU compiler rewrites a vector-matrix product below ~10M multiply-adds into a multiply
-    and a reduction, and where the output is narrow (SmolLM2's o and down projections,
-    Llama-3.2-1B's o projection) it first writes the transposed products, a weight-sized
-    array, and reads them back: three times the weight's bytes and one more kernel. Two
-    rows are a matrix product (the weight read once). ``scripts/accel_aot.py`` (H200, bf16,
-    batch 1): a SmolLM2-135M decode step names 282 MB instead of 424, a Llama-3.2-1B-shaped
-    one 2.51 GB instead of 2.76 (its weights: 2.47 GB). Elsewhere one plain product."""
-    dims = (((1,), (0,)), ((), ()))
-    if x2.shape[0] == 1 and jax.default_backend() == "gpu":
-        return jax.lax.dot_general(jnp.broadcast_to(x2, (2,) + x2.shape[1:]), w, dims)[:1]
-    return jax.lax.dot_general(x2, w, dims)
+    """``x2 [M, D] @ w [D, *out]`` (:func:`_product`)."""
+    return _product(x2, w)
 
 
 class Llama(nnx.Module):
@@ -1306,6 +1324,8 @@ class Llama(nnx.Module):
                                     preferred_element_type=jnp.float32)
         elif use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
             logits = small_matmul(x2, head).reshape(B, T, -1)
+        elif B * T == 1 and jax.default_backend() in ONE_ROW_AS_TWO:  # one row as two (_product)
+            logits = _product(x2, head.astype(dt), 0, jnp.float32).reshape(B, T, -1)
         else:
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         if cfg.final_softcap:

@@ -388,11 +388,34 @@ def test_hidden_states_of_several_layers_in_one_pass():
             lm.apply(lm.params, toks[:, :4], lm.init_cache(2, 8), return_hidden=bad)
 
 
-def test_one_row_product_is_two_rows_on_a_gpu(monkeypatch):
-    """On a GPU backend ``_linear`` computes a one-row product as two equal rows (XLA's GPU
-    compiler would write a weight-sized array of products for some one-row shapes: see
-    ``models.llama._matmul``); the row is the plain product's, and several rows stay one
-    plain product. Traced here as on a GPU, run on the CPU."""
+def _weight_product_rows(fn, *args):
+    """The leading (row) size of every product in ``fn``'s jaxpr that has no batch axes (a
+    weight product; attention's products have batch axes), nested jaxprs included."""
+    rows = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general" and not e.params["dimension_numbers"][1][0]:
+                rows.append(e.invars[0].aval.shape[0])
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr)  # a new function: traced anew
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_one_row_product_is_two_rows_on_an_accelerator(monkeypatch, backend):
+    """On a GPU or TPU backend a one-row weight product is computed as two rows (both
+    compilers would turn a vector-matrix product into a multiply and a reduction: see
+    ``models.llama._product``): ``_linear``, and every weight product of a one-row decode
+    step (the TPU layouts' contractions and the LM head included); the row is the plain
+    product's, and several rows stay one plain product. Traced as on that backend, run on
+    the CPU."""
     from specjax.models.llama import _linear
 
     rng = np.random.default_rng(0)
@@ -400,20 +423,24 @@ def test_one_row_product_is_two_rows_on_a_gpu(monkeypatch):
     x1 = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32)
     x3 = jnp.asarray(rng.standard_normal((1, 3, 64)), jnp.float32)
     plain1, plain3 = _linear(x1, w, "xla"), _linear(x3, w, "xla")
+    lin = lambda x, w: _linear(x, w, "xla")  # noqa: E731
+    flags = dict(gate_up_first=True, qkv_input_last=True, wo_flat=True, scan_layers=True)
+    lm_ = LlamaLM.init(tiny_config(vocab_size=8, n_layers=2, cpu_kernels="xla", **flags), seed=1)
+    tok, cache = jnp.asarray([[3]], jnp.int32), lm_.init_cache(1, 16)
+    step = lambda p, t, c: lm_.apply(p, t, c).logits  # noqa: E731
+    want = np.asarray(jax.jit(step)(lm_.params, tok, cache))
 
-    def two_row_broadcasts(x):
-        jaxpr = jax.make_jaxpr(lambda x, w: _linear(x, w, "xla"))(x, w)
-        return sum(e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.shape[0] == 2
-                   for e in jaxpr.eqns)
-
-    assert two_row_broadcasts(x1) == 0  # the CPU: one plain product
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert two_row_broadcasts(x1) == 1 and two_row_broadcasts(x3) == 0
-    got1 = jax.jit(lambda x, w: _linear(x, w, "xla"))(x1, w)
-    got3 = jax.jit(lambda x, w: _linear(x, w, "xla"))(x3, w)
+    assert set(_weight_product_rows(lin, x1, w)) == {1}  # the CPU: one plain product
+    assert 1 in _weight_product_rows(step, lm_.params, tok, cache)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert _weight_product_rows(lin, x1, w) == [2] and _weight_product_rows(lin, x3, w) == [3]
+    rows = _weight_product_rows(step, lm_.params, tok, cache)
+    assert len(rows) >= 5 and set(rows) == {2}, rows  # q/k/v, o, gate/up, down, LM head
+    got1, got3 = jax.jit(lin)(x1, w), jax.jit(lin)(x3, w)
     assert got1.shape == plain1.shape == (1, 1, 96)
     np.testing.assert_allclose(np.asarray(got1), np.asarray(plain1), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got3), np.asarray(plain3))
+    np.testing.assert_allclose(np.asarray(jax.jit(step)(lm_.params, tok, cache)), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scan", [False, True])
