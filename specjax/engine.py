@@ -794,8 +794,8 @@ class _Sharded:
                 tuple((x.shape, x.dtype) for x in jax.tree.leaves(carry)), tuple(sorted(static.items())))
 
         def program(one):  # the compiled _insert for one-row arguments of these shapes
-            sig = head + (tuple((getattr(a, "shape", None), getattr(a, "dtype", None))
-                                for a in jax.tree.leaves(one)),)
+            sig = head + (str(jax.tree.structure(one)), tuple((getattr(a, "shape", None), getattr(a, "dtype", None))
+                                                              for a in jax.tree.leaves(one)))
             got = self._compiled.get(sig)
             if got is None:
                 got = self._compiled[sig] = jax.jit(
@@ -857,14 +857,16 @@ class _Sharded:
         (leaves with a batch axis are gathered along it; batch-level leaves, such as the
         loop index and adaptive K's evidence, stay), and the shapes of the result. Built
         once per engine and shapes."""
-        static = dict(out_cap=full.out_cap, cache_len=full.cache_len,  # as _call_args gives
-                      hints=static_opts["hints"])
         big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
+        args, static = self._call_args(_batch_rows(full, range(m)), **self._no_costs(static_opts))
+        # the loop's other inputs too: the stop tokens' buffer and the controls present
+        # (allowed, bias) change with the call, not with the loop state
+        inputs = self._advance_inputs(args)
         sig = ("_tail", str(jax.tree.structure(big)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(big)),
-               m, tuple(sorted(static.items())))
+               m, tuple(sorted(static.items())), str(jax.tree.structure(inputs)),
+               tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in jax.tree.leaves(inputs)))
         got = self._compiled.get(sig)
         if got is None:
-            args, static = self._call_args(_batch_rows(full, range(m)), **self._no_costs(static_opts))
             small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
             small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), small)
             advance = self._executable((small, *self._advance_inputs(args), np.int32(0), np.bool_(False)),

@@ -152,3 +152,19 @@ def test_adaptive_tail_borrows_the_next_larger_cost_table(models):
     ar = engine.AutoregressiveEngine(target)
     assert ar._tail_sizes(12) == [6, 3, 1] and ar._tail_sizes(12, False) == []
     assert ar._tail_sizes(16, [1, 12, 6, 16, 20, 6]) == [12, 6, 1]
+
+
+def test_a_second_run_with_other_stop_tokens_and_controls(models):
+    """An engine is reused (``build.make_engine`` keeps them): a dataset run whose stop
+    tokens take a wider buffer, or that bans tokens, after one that did not, compiles its
+    own tail programs (they were once looked up by the loop state's shapes alone, and the
+    run failed when its tail moved to fewer slots); the rows are the one-batch run's."""
+    target, _ = models
+    eng = engine.AutoregressiveEngine(target)
+    prompts, max_new = _dataset(7, seed=3)
+    kw = dict(seed=1, max_new_tokens=max_new, sampling_params=dict(temperature=1.0))
+    eng.generate_dataset(prompts, batch_size=4, stop_tokens=[0], **kw)
+    for more in (dict(stop_tokens=[0] * 5), dict(stop_tokens=[0], banned_tokens=[5])):
+        got = eng.generate_dataset(prompts, batch_size=4, **more, **kw)
+        assert len(got.raw["stages"]) > 1, got.raw["stages"]  # the tail moved
+        assert got.tokens == eng.generate(prompts, **more, **kw).tokens
