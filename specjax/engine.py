@@ -35,6 +35,7 @@ import functools
 import hashlib
 import itertools
 import json
+import operator
 import os
 import sys
 import time
@@ -140,9 +141,10 @@ def _as_params(sampling_params, batch: int) -> sampling.SamplingParams:
     if sampling_params is None:
         return sampling.SamplingConfig().to_params(batch)
     if isinstance(sampling_params, sampling.SamplingParams):
-        got = np.shape(sampling_params.temperature)
-        if got != (batch,):
-            raise ValueError(f"SamplingParams have batch shape {got}, expected ({batch},)")
+        for f in dataclasses.fields(sampling_params):
+            got = np.shape(getattr(sampling_params, f.name))
+            if got != (batch,):
+                raise ValueError(f"SamplingParams.{f.name} has batch shape {got}, expected ({batch},)")
         return sampling_params
     if isinstance(sampling_params, sampling.SamplingConfig):
         return sampling_params.to_params(batch)
@@ -154,7 +156,14 @@ def _as_params(sampling_params, batch: int) -> sampling.SamplingParams:
 def _prepare_prompts(prompts, vocab_size: int, min_len: int):
     if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
         prompts = [prompts]
-    rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    rows = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1:
+            raise ValueError(f"prompt {i} must be a flat sequence of token ids, got shape {a.shape}")
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"prompt {i}: token ids must be integers, got dtype {a.dtype}")
+        rows.append(a.astype(np.int64))
     if not rows:
         raise ValueError("no prompts given")
     for i, r in enumerate(rows):
@@ -192,17 +201,31 @@ def _prepare_keys(row_keys, seed, row_indices, batch):
 
 
 def _per_row_int(value, batch, name, minimum):
-    arr = np.broadcast_to(np.asarray(value, dtype=np.int64), (batch,)).copy()
+    arr = np.asarray(value)
+    whole = arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and bool(np.all(np.isfinite(arr) & (arr == np.round(arr)))))
+    if not whole:
+        raise ValueError(f"{name} must be integers, got {value!r}")
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
+        raise ValueError(f"{name}: give one value or one per row ({batch}), got shape {arr.shape}")
+    arr = np.broadcast_to(arr.astype(np.int64), (batch,)).copy()
     if (arr < minimum).any():
         raise ValueError(f"{name} must be >= {minimum}, got {arr.min()}")
     return arr.astype(np.int32)
 
 
+def _count(name: str, value) -> int:
+    """A count >= 1 given as any integer type (``numpy.int64`` included), else ValueError."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or isinstance(value, (bool, np.bool_)) or n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return n
+
+
 def _stop_array(stop_tokens, vocab_size):
-    stops = [] if stop_tokens is None else [int(t) for t in stop_tokens]
-    for t in stops:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"stop token {t} outside [0, {vocab_size})")
+    stops = sampling.stop_token_ids(stop_tokens, vocab_size).tolist()
     # a fixed small size so the number of stop tokens rarely changes the shape
     n = max(4, 1 << max(0, len(stops) - 1).bit_length())
     arr = np.full((n,), _NO_STOP, dtype=np.int32)
@@ -755,8 +778,7 @@ class _Sharded:
         the devices (donated from chunk to chunk), yielding after each chunk the tokens
         every row committed in it; returns the :class:`GenerateOutput`. The chunks run the
         same rounds with the same keys as :meth:`generate`, so the tokens are the same."""
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
+        chunk = _count("chunk", chunk)
         self._measure_streamed(batch, static_opts)
         args, static = self._call_args(batch, **static_opts)
         start, advance, finish = self._stream_executables(args, static)
@@ -783,8 +805,7 @@ class _Sharded:
         before the run starts: the 4th value calls the one for its arguments' width)."""
         if self.sharding is not None:
             raise ValueError("generate_dataset runs without a mesh (sharding) for now")
-        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {b!r}")
+        b = _count("batch_size", b)
         rows = _batch_rows(full, range(b))
         self._measure_streamed(rows, static_opts)
         args, static = self._call_args(rows, **static_opts)
@@ -936,8 +957,7 @@ class _Sharded:
         prompt is left and the running rows fit in a smaller size of :meth:`_tail_sizes`,
         they move to a loop state of the smallest such size (their state, caches and counts
         gathered, nothing recomputed), so that the tail does not pay for idle rows."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        batch_size = _count("batch_size", batch_size)
         n = full.size
         b = min(batch_size, n)
         # per-row values on the host once: every pause picks rows from them (numpy, not

@@ -82,6 +82,7 @@ CUTS = ("exact", "candidates")  # process_rows' cut: the target's, a draft's
 _SLOW_ROWS = 8
 
 _NEG_INF = -jnp.inf
+_F32_MAX = float(np.finfo(np.float32).max)
 
 # How the largest values of each row are found: ``top_values(z [N, V], m) -> [N, m]``
 # descending. None = ``lax.top_k``; a sharded run passes ``MeshPlan.top_values`` (per-shard
@@ -117,10 +118,15 @@ def _per_row(name: str, value, batch_size: int, dtype) -> np.ndarray:
             as_float = arr.astype(np.float64)
             bad = ~np.isfinite(as_float) | (as_float != np.round(as_float))
             _check_rows(name, arr, bad, "must be an integer")
-        return arr.astype(np.int32)
+        # past int32 (top-k: <= 0 or >= V is off either way) clipped, never wrapped around
+        info = np.iinfo(np.int32)
+        return np.clip(arr.astype(np.float64), info.min, info.max).astype(np.int32)
     if arr.dtype.kind not in "iufb":
         raise ValueError(f"SamplingParams.{name} must be numeric, got dtype {arr.dtype}")
-    return arr.astype(np.float32)
+    wide = arr.astype(np.float64)
+    _check_rows(name, wide, np.isfinite(wide) & (np.abs(wide) > np.finfo(np.float32).max),
+                "outside float32's range")
+    return wide.astype(np.float32)
 
 
 def _validate(f: dict) -> None:
@@ -234,6 +240,21 @@ class Controls:
         return self.bias.reshape(self.bias.shape[:1] + (1,) * (ndim - 2) + self.bias.shape[1:])
 
 
+def _id_sequence(name: str, ids) -> list:
+    """``ids`` as a list (a lone integer or string is an error, not a sequence of one)."""
+    if isinstance(ids, (set, frozenset)):
+        return sorted(ids)
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or getattr(ids, "ndim", 1) == 0:
+        raise ValueError(f"{name}: expected a list of token ids, got {ids!r}")
+    return list(ids)
+
+
+def stop_token_ids(stop_tokens, vocab_size: int) -> np.ndarray:
+    """The stop tokens as int64 ids in [0, vocab_size) (None: none; ValueError otherwise)."""
+    return _token_ids("stop_tokens", [] if stop_tokens is None else _id_sequence("stop_tokens", stop_tokens),
+                      vocab_size)
+
+
 def _token_ids(name: str, ids, vocab_size: int) -> np.ndarray:
     arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
     if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= vocab_size):
@@ -244,8 +265,12 @@ def _token_ids(name: str, ids, vocab_size: int) -> np.ndarray:
 def _per_row_tokens(name: str, value, batch: int, vocab_size: int) -> np.ndarray:
     """Token ids for every row (a flat list) or per row (a list of B lists) -> bool[B, V]."""
     out = np.zeros((batch, vocab_size), bool)
-    rows = list(value)
-    per_row = len(rows) == batch and all(isinstance(r, (list, tuple, np.ndarray)) for r in rows)
+    rows = _id_sequence(name, value)
+    nested = [isinstance(r, (list, tuple, np.ndarray)) for r in rows]
+    per_row = any(nested)
+    if per_row and (not all(nested) or len(rows) != batch):
+        raise ValueError(f"{name}: give one list of token ids for every row, or one list per row "
+                         f"({batch} lists), got {len(rows)} entries, {sum(nested)} of them lists")
     for b in range(batch):
         out[b, _token_ids(name, rows[b] if per_row else rows, vocab_size)] = True
     return out
@@ -265,7 +290,7 @@ def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens
     if min_new.dtype.kind not in "iu" or (min_new < 0).any():
         raise ValueError(f"min_new_tokens must be integers >= 0, got {np.asarray(min_new_tokens).tolist()}")
     stop_mask = np.zeros((v,), bool)
-    stop_mask[_token_ids("stop_tokens", list(stop_tokens or ()), v)] = True
+    stop_mask[stop_token_ids(stop_tokens, v)] = True
     allowed = None
     if allowed_tokens is not None:
         a = np.asarray(allowed_tokens) if isinstance(allowed_tokens, np.ndarray) else None
@@ -671,7 +696,9 @@ def _controlled(logits, allowed=None, bias=None) -> jax.Array:
     x = jnp.asarray(logits).astype(jnp.float32)
     nb = x.ndim - 1
     if bias is not None:
-        x = x + _lead_vocab(bias, nb).astype(jnp.float32)
+        # a finite bias that overflows a logit leaves it the largest float, not +inf (whose
+        # normalization, inf - inf, would be NaN): the limit of the law as the bias grows
+        x = jnp.minimum(x + _lead_vocab(bias, nb).astype(jnp.float32), _F32_MAX)
     if allowed is not None:
         x = jnp.where(_lead_vocab(allowed, nb), x, _NEG_INF)
     return x
@@ -683,7 +710,8 @@ def _penalized(x, params: SamplingParams, counts) -> jax.Array:
     seen = _lead_vocab(counts, len(batch_shape)) > 0
     pen = _leading(params.repetition_penalty, batch_shape, jnp.float32).reshape(batch_shape + (1,))
     pres = _leading(params.presence_penalty, batch_shape, jnp.float32).reshape(batch_shape + (1,))
-    return jnp.where(seen, jnp.where(x > 0, x / pen, x * pen) - pres, x)
+    # an overflow to +inf kept at the largest float, as in _controlled
+    return jnp.where(seen, jnp.minimum(jnp.where(x > 0, x / pen, x * pen) - pres, _F32_MAX), x)
 
 
 def process_logits(logits, params: SamplingParams, counts=None, allowed=None, bias=None,

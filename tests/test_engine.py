@@ -433,6 +433,23 @@ def test_bad_input_is_rejected_before_work(target, draft):
         build.generate(target, draft, [[1, 2]], k=0, seed=0)
     with pytest.raises(ValueError, match="method"):
         build.generate(target, draft, [[1, 2]], k=2, method="typical", seed=0)
+    # never coerced into another input (a bug hunt found each silently accepted)
+    for prompts in ([[1.7, 2.2, 3.9]], [[[1, 2], [3, 4]]], [1, 2, 3]):
+        with pytest.raises(ValueError, match="prompt 0"):
+            eng.generate(prompts, seed=0)
+    for max_new in (2.9, [3, 4], True):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.generate([[1, 2]], seed=0, max_new_tokens=max_new)
+    for stops in (5, [2.5]):
+        with pytest.raises(ValueError, match="stop_tokens"):
+            eng.generate([[1, 2]], seed=0, stop_tokens=stops)
+    for ids in ([[1], [2]], [[1], 2, 3]):  # per-row lists must be one per row
+        with pytest.raises(ValueError, match="one list per row"):
+            eng.generate([[1, 2]] * 3, seed=0, banned_tokens=ids)
+    with pytest.raises(ValueError, match="top_k has batch shape"):
+        eng.generate([[1, 2]] * 4, seed=0, sampling_params=sampling.SamplingParams.create(4).replace(top_k=np.array([3])))
+    with pytest.raises(ValueError, match="batch_size"):
+        eng.generate_dataset([[1, 2]], seed=0, batch_size=np.int64(0))
     other = LlamaLM.init(tiny_config(vocab_size=V + 1), seed=0)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         build.generate(target, other, [[1, 2]], k=2, seed=0)

@@ -173,6 +173,8 @@ def test_empty_mask_gives_neg_inf_and_nan_propagates():
     ("presence_penalty", [float("inf"), 0.0], r"presence_penalty\[0\]"),
     ("top_k", [1.5, 2], r"top_k\[0\]"),
     ("top_p", [0.5, 0.5, 0.5], r"top_p must be a scalar or have length"),
+    ("temperature", [1e300, 1.0], r"temperature\[0\].*float32's range"),
+    ("presence_penalty", [0.0, -1e39], r"presence_penalty\[1\].*float32's range"),
 ])
 def test_invalid_params_raise_before_tracing(field, value, msg):
     traces = []
@@ -185,6 +187,34 @@ def test_invalid_params_raise_before_tracing(field, value, msg):
     with pytest.raises(ValueError, match=msg):
         f(SamplingParams.create(2, **{field: value}))
     assert not traces
+
+
+def test_a_logit_pushed_past_float32_by_bias_or_penalty_is_the_largest_not_nan():
+    """A finite bias, then a penalty, that overflow a logit leave it at float32's largest
+    value: the limit law (that token, or those tied there, certain), where +inf made the
+    normalization NaN (inf - inf) and the engine raised. Raw +inf logits stay NaN (flagged)."""
+    x = jnp.asarray([[1.0, 2.0, 3.0, 0.5]])
+    seen = jnp.asarray([[0, 1, 1, 0]])
+    p = SamplingParams.create(1, repetition_penalty=0.5)
+    got = np.exp(np.asarray(process_logits(x, p, counts=seen, bias=jnp.asarray([[0, 3e38, 0, 0]]))))
+    np.testing.assert_allclose(got, [[0, 1, 0, 0]])
+    p = SamplingParams.create(1, presence_penalty=-3e38)
+    got = np.exp(np.asarray(process_logits(x, p, counts=seen, bias=jnp.asarray([[0, 3e38, 3e38, 0]]))))
+    np.testing.assert_allclose(got, [[0, 0.5, 0.5, 0]])
+    big = float(np.finfo(np.float32).max)
+    got = np.asarray(process_logits(jnp.asarray([[1e33, 2e33, 3.0, 0.5]]), SamplingParams.create(1),
+                                    bias=jnp.asarray([[big, big, 0, 0]])))
+    np.testing.assert_allclose(np.exp(got), [[0.5, 0.5, 0, 0]])
+    assert np.isnan(np.asarray(process_logits(jnp.asarray([[1.0, np.inf]]), SamplingParams.create(1)))).all()
+
+
+def test_top_k_past_int32_is_clipped_not_wrapped():
+    """A top-k past int32 is off (>= V) as it says, never wrapped around (2**32 + 1 once
+    became top-k 1: greedy text at any temperature)."""
+    prm = SamplingParams.create(3, top_k=[2 ** 32 + 1, 2 ** 40, -2 ** 40])
+    assert prm.top_k.tolist() == [2 ** 31 - 1, 2 ** 31 - 1, -2 ** 31]
+    x = jnp.asarray([[0.0, 1.0, 2.0]] * 3)
+    assert np.isfinite(np.asarray(process_logits(x, prm))).all()  # every row: no filter
 
 
 def test_sampling_config_validates_and_converts():
