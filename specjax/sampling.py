@@ -310,7 +310,7 @@ def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens
             dicts = [logit_bias] * b if isinstance(logit_bias, dict) else list(logit_bias)
             if len(dicts) != b:
                 raise ValueError(f"logit_bias: {len(dicts)} dicts for {b} rows")
-            bias = np.zeros((b, v), np.float32)
+            bias = np.zeros((b, v), np.float64)
             for r, d in enumerate(dicts):
                 ids = _token_ids("logit_bias", list(d.keys()), v)
                 bias[r, ids] = np.asarray(list(d.values()), np.float64)
@@ -318,7 +318,9 @@ def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens
             arr = np.asarray(logit_bias, np.float64)
             if arr.shape not in ((v,), (b, v)):
                 raise ValueError(f"logit_bias array must have shape ({v},) or ({b}, {v}), got {arr.shape}")
-            bias = np.broadcast_to(arr, (b, v)).astype(np.float32)
+            bias = np.broadcast_to(arr, (b, v))
+        if np.isfinite(bias).all() and (np.abs(bias) > np.finfo(np.float32).max).any():
+            raise ValueError("logit_bias values must lie within float32's range")
         if not np.isfinite(bias).all():
             raise ValueError("logit_bias values must be finite (ban a token with banned_tokens)")
     if allowed is not None:
@@ -331,7 +333,7 @@ def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens
                              "tokens are allowed")
     return Controls(min_new=jnp.asarray(min_new.astype(np.int32)), stop_mask=jnp.asarray(stop_mask),
                     allowed=None if allowed is None else jnp.asarray(allowed),
-                    bias=None if bias is None else jnp.asarray(bias))
+                    bias=None if bias is None else jnp.asarray(bias.astype(np.float32)))
 
 
 # --------------------------------------------------------------------------------------

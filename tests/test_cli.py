@@ -49,11 +49,34 @@ from specjax import build, cli
     (["generate", "hi", "--method", "tree", "--tree", "widths=2x2,candidates=iid"], "--tree: tree widths (a dynamic sampled tree) need candidates=without_replacement"),
     (["generate", "hi", "--method", "tree", "--tree", "fanout=2"], "--tree: tree spec 'fanout=2'"),
     (["generate", "hi", "--tree", "depth=2"], "--tree needs --method tree"),
+    # found by a bug hunt: each once ran (or failed with a traceback) instead
+    (["generate", "hi", "--draft", "pyproject.toml"], "a draft file is .npz, .gguf, .yaml, .yml"),
+    (["generate", "hi", "--draft", ""], "--draft: draft '': expected default, lookup"),
+    (["generate", "hi", "--method", "tree", "--tree", "branching=100x100x100"], "at most 1024 per tree"),
+    (["generate", "hi", "--method", "tree", "--tree", "sampled_nodes=100000"], "at most 1024 per tree"),
+    (["generate", "hi", "--temperature", "1e300"], "--temperature: 1e+300 is outside float32's range"),
+    (["generate", "hi", "--logit-bias", "28=1e39"], "--logit-bias 28: 1e+39 is outside float32's range"),
+    (["generate", "hi", "--repetition-penalty", "1e-300"], "below float32's smallest normal value"),
+    (["generate", "hi", "--draft", "none", "--method", "tree", "--tree", "depth=2"],
+     "--draft none decodes autoregressively: --method, --tree do not apply"),
+    (["generate", "hi", "--draft", "none", "--compare"], "--compare does not apply"),
+    (["generate", "", "--prompts-file", "pyproject.toml"], "give either a prompt or --prompts-file"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
     assert cli.main(argv) == cli.EXIT_USAGE
     assert message in capsys.readouterr().err
+
+
+def test_nan_probabilities_are_one_line_and_exit_1(capsys, monkeypatch):
+    """A run whose probabilities turn NaN (the engine raises FloatingPointError after the
+    loop) ends with one line and status 1, not a traceback."""
+    def nan_run(a):
+        raise FloatingPointError("invalid (NaN) probabilities met in rows [0]")
+
+    monkeypatch.setattr(cli, "run_generate", nan_run)
+    assert cli.main(["generate", "hi"]) == cli.EXIT_FAILED == 1
+    assert capsys.readouterr().err == "specjax: error: invalid (NaN) probabilities met in rows [0]\n"
 
 
 @pytest.mark.parametrize("name", ["SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE"])
@@ -93,6 +116,7 @@ def test_specjax_gguf_stands_in_for_the_model_package(monkeypatch, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["generate", "a", "--raw"], "needs at least 2 (use --draft lookup"),
     (["generate", "word " * 9000], "exceeds the model's context of 8192 tokens"),
+    (["generate", "hi", "--draft", "layers:31"], "the target has 30 layers (give 1 to 30)"),
 ])
 def test_prompts_are_checked_before_the_model_loads(argv, message, capsys, monkeypatch):
     """Only the tokenizer and the GGUF's metadata are read before the prompts are checked."""

@@ -288,6 +288,11 @@ def test_hf_config_defaults():
     assert c.rope_scaling.factor == 8.0
     with pytest.raises(HFCheckpointError, match="lacks 'hidden_size'"):
         config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10})
+    good = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 8, "intermediate_size": 16}
+    for bad in ({"hidden_size": None}, {"max_position_embeddings": None}, {"num_attention_heads": 0}):
+        with pytest.raises(HFCheckpointError, match="config.json has a bad value"):  # not a TypeError
+            config_from_hf({**good, **bad})
 
 
 def test_hf_errors(tmp_path):

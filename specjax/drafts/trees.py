@@ -396,6 +396,9 @@ def _allowed(ctx: ProposeContext, position):
     return ctx.controls.allowed_at(gen + position)
 
 
+MAX_TREE_NODES = 1024  # a tree's nodes: one verify pass, an [N, N] mask (44 is the largest measured)
+
+
 def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_mass",
                         widths=(), sampled_nodes=0) -> None:
     """ValueError unless the tree settings are valid: ``topk``, ``depth``, ``nodes`` ints
@@ -425,6 +428,17 @@ def check_tree_settings(topk, depth, nodes, branching=(1,), candidates="point_ma
     if sampled_nodes and (widths or candidates == "point_mass"):
         raise ValueError("tree sampled_nodes (the positional tree of sampled rounds) needs sampled "
                          "candidates (iid or without_replacement) and no widths")
+    full, level = 0, 1  # the full tree of ``branching``: its nodes (stopping once past the bound)
+    for b in branching:
+        level *= b
+        full += level
+        if full > MAX_TREE_NODES:
+            break
+    for name, n in (("nodes", nodes), ("branching", full), ("widths", sum(widths)),
+                    ("sampled_nodes", sampled_nodes)):
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"tree {name}: {n if name != 'branching' else 'more than ' + str(MAX_TREE_NODES)} "
+                             f"nodes; at most {MAX_TREE_NODES} per tree")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
