@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Mapping, Optional
 
 import jax
@@ -1120,6 +1121,20 @@ def _linear(x, w, cpu_kernels: str = "xla"):
 ONE_ROW_AS_TWO = ("gpu", "tpu")
 
 
+def one_row_as_two(backend: Optional[str] = None) -> bool:
+    """Whether a one-row weight product is computed as two rows (:func:`_product`): on the
+    backends of :data:`ONE_ROW_AS_TWO`, or as ``$SPECJAX_TWO_ROWS`` says (1 / 0 / auto; read
+    when a program is traced), so that a device can time both forms."""
+    env = os.environ.get("SPECJAX_TWO_ROWS", "").strip().lower()
+    if env in ("1", "on", "true"):
+        return True
+    if env in ("0", "off", "false"):
+        return False
+    if env not in ("", "auto"):
+        raise ValueError(f"SPECJAX_TWO_ROWS must be 1, 0 or auto, got {env!r}")
+    return (backend or jax.default_backend()) in ONE_ROW_AS_TWO
+
+
 def _product(x2, w, axis: int = 0, preferred=None):
     """``x2 [M, D]`` times ``w`` contracted on its axis ``axis`` -> ``[M, w's other axes]``.
 
@@ -1134,10 +1149,11 @@ def _product(x2, w, axis: int = 0, preferred=None):
     bf16: a SmolLM2-135M decode step on the H200 names 282 MB instead of 424; the llama3-8b
     shape's step on a TPU v5p is estimated at 18.3M cycles instead of 43.5M (BENCHMARKS.md).
     The second row: on a GPU the same row (a zero row adds a kernel per product), on a TPU a
-    zero row (the same row is estimated 17% dearer). Elsewhere (the CPU) one plain product."""
+    zero row (the same row is estimated 17% dearer). Elsewhere (the CPU) one plain product;
+    ``$SPECJAX_TWO_ROWS`` overrides (:func:`one_row_as_two`)."""
     dims = (((1,), (axis,)), ((), ()))
     backend = jax.default_backend()
-    if x2.shape[0] == 1 and backend in ONE_ROW_AS_TWO:
+    if x2.shape[0] == 1 and one_row_as_two(backend):
         two = jnp.broadcast_to(x2, (2,) + x2.shape[1:]) if backend == "gpu" else jnp.pad(x2, ((0, 1), (0, 0)))
         return jax.lax.dot_general(two, w, dims, preferred_element_type=preferred)[:1]
     return jax.lax.dot_general(x2, w, dims, preferred_element_type=preferred)
@@ -1324,7 +1340,7 @@ class Llama(nnx.Module):
                                     preferred_element_type=jnp.float32)
         elif use_small_matmul(cfg.cpu_kernels, x2, head):  # float32 x and head only
             logits = small_matmul(x2, head).reshape(B, T, -1)
-        elif B * T == 1 and jax.default_backend() in ONE_ROW_AS_TWO:  # one row as two (_product)
+        elif B * T == 1 and one_row_as_two():  # one row as two (_product)
             logits = _product(x2, head.astype(dt), 0, jnp.float32).reshape(B, T, -1)
         else:
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)

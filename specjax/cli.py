@@ -165,7 +165,7 @@ def _check_args(a) -> list:
         check_seed(a.seed)
     except ValueError as e:
         raise UsageError(f"--seed: {e}") from None
-    for name in ("SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE"):  # read when programs are built
+    for name in ("SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE", "SPECJAX_TWO_ROWS"):  # read when programs are built
         try:
             env_switch(name)
         except ValueError as e:

@@ -79,7 +79,7 @@ def test_nan_probabilities_are_one_line_and_exit_1(capsys, monkeypatch):
     assert capsys.readouterr().err == "specjax: error: invalid (NaN) probabilities met in rows [0]\n"
 
 
-@pytest.mark.parametrize("name", ["SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE"])
+@pytest.mark.parametrize("name", ["SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE", "SPECJAX_TWO_ROWS"])
 def test_bad_switch_in_the_environment_exits_2(name, capsys, monkeypatch):
     monkeypatch.setenv(name, "sometimes")
     monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))

@@ -436,6 +436,9 @@ def test_one_row_product_is_two_rows_on_an_accelerator(monkeypatch, backend):
     assert _weight_product_rows(lin, x1, w) == [2] and _weight_product_rows(lin, x3, w) == [3]
     rows = _weight_product_rows(step, lm_.params, tok, cache)
     assert len(rows) >= 5 and set(rows) == {2}, rows  # q/k/v, o, gate/up, down, LM head
+    monkeypatch.setenv("SPECJAX_TWO_ROWS", "0")  # one row anyway (to time both forms on a device)
+    assert set(_weight_product_rows(step, lm_.params, tok, cache)) == {1}
+    monkeypatch.delenv("SPECJAX_TWO_ROWS")
     got1, got3 = jax.jit(lin)(x1, w), jax.jit(lin)(x3, w)
     assert got1.shape == plain1.shape == (1, 1, 96)
     np.testing.assert_allclose(np.asarray(got1), np.asarray(plain1), rtol=1e-6, atol=1e-6)
