@@ -493,7 +493,8 @@ def run_generate(a) -> int:
     common = dict(seed=a.seed, sampling_params=sp, max_new_tokens=a.max_new_tokens,
                   stop_tokens=list(tok.stop_ids), **controls)
     stream_to = None if (a.json or a.no_stream or len(prompts) > 1) else sys.stdout
-    report = {"prompts": prompts, "method": a.method, "k": a.k,
+    plain = a.draft == "none"  # no draft: neither a method nor K applies
+    report = {"prompts": prompts, "method": "autoregressive" if plain else a.method, "k": None if plain else a.k,
               **({} if a.tree_spec is None else {"tree": a.tree_spec.describe()}),
               "sampling": dict(settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                                presence_penalty=a.presence_penalty, origin=origin),

@@ -244,6 +244,11 @@ def test_generation_controls_from_the_command_line(hf_folder, capsys):
     import jax
 
     assert report["compile_cache"] == jax.config.jax_compilation_cache_dir
+    # no draft: the report names plain decoding (it said method token, k auto)
+    assert cli.main(argv[:4] + ["--draft", "none"] + argv[6:]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["method"], report["k"]) == ("autoregressive", None) and "speculative" not in report
+    assert set(report["texts"][0]) <= chars
 
 
 @pytest.mark.real_model
