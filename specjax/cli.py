@@ -165,7 +165,8 @@ def _check_args(a) -> list:
         check_seed(a.seed)
     except ValueError as e:
         raise UsageError(f"--seed: {e}") from None
-    for name in ("SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE", "SPECJAX_TWO_ROWS"):  # read when programs are built
+    # read when programs are built
+    for name in ("SPECJAX_BATCH_HINTS", "SPECJAX_SYNC_FREE", "SPECJAX_TWO_ROWS"):
         try:
             env_switch(name)
         except ValueError as e:

@@ -202,8 +202,8 @@ def _prepare_keys(row_keys, seed, row_indices, batch):
 
 def _per_row_int(value, batch, name, minimum):
     arr = np.asarray(value)
-    whole = arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and bool(np.all(np.isfinite(arr) & (arr == np.round(arr)))))
-    if not whole:
+    integral = arr.dtype.kind == "f" and bool(np.all(np.isfinite(arr) & (arr == np.round(arr))))
+    if not (arr.dtype.kind in "iu" or integral):
         raise ValueError(f"{name} must be integers, got {value!r}")
     if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
         raise ValueError(f"{name}: give one value or one per row ({batch}), got shape {arr.shape}")
