@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax import audit, sampling
 from specjax.drafts import ProposeContext, make_proposer
-from specjax.drafts.trees import make_tree_proposer
+from specjax.build import TreeSpec
 from specjax.engine import AutoregressiveEngine, SpeculativeEngine, bucket, cache_len_for
 
 from scripts.bench.report import fmt, loadavg, log
@@ -118,7 +118,10 @@ class StepTimer:
                                      use_penalties=jnp.asarray(False),
                                      gen_len=jnp.zeros((batch,), jnp.int32), controls=controls)
                 out = prop.propose(prop.params, st, ctx)
-                return out.state, acc + out.tokens[:, 0] + out.num_draft
+                # every output the engine reads (all K tokens, the draft's log-probs over the
+                # vocabulary): what is left unread, XLA drops (K=2 was timed at ~1/4 its cost)
+                used = jnp.sum(out.tokens, axis=1) + (jnp.max(out.logprobs, axis=(1, 2)) > 0).astype(jnp.int32)
+                return out.state, acc + used + out.num_draft
 
             self.jobs[("propose", k)] = (_loop_fn(body, n), (state, jnp.zeros((batch,), jnp.int32)), n)
         self.retimes = []
@@ -213,7 +216,7 @@ class Runner:
 
     def one_pass(self, eng, batch: int, temperature: float, seed: int, spec: bool, kind: str, k: int = 0) -> dict:
         """One timed pass over the batch size's rows: wall, tokens and summed statistics."""
-        kk = max(k, 1)
+        kk = getattr(eng, "stat_positions", max(k, 1)) if spec else max(k, 1)  # a tree: its depth
         p = {"seed": seed, "wall_s": 0.0, "tokens": 0, "calls": 0, "first_call_s": None, "loop_iters": 0,
              "rounds": 0, "row_slots": 0, "drafted": 0, "accepted": 0, "emitted": 0, "alpha_sum": 0.0,
              "alpha_n": 0, "reached": np.zeros(kk, np.int64), "accepted_pos": np.zeros(kk, np.int64)}
@@ -315,10 +318,11 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
         for gi, k in enumerate(ks):
             engines = {}
             for mi, method in enumerate(cfg.methods):
-                if method == "tree":
-                    prop = make_tree_proposer(runner.draft, cfg.tree_topk, k, cfg.tree_nodes,
-                                              cfg.tree_candidates, tuple(cfg.tree_branching),
-                                              tuple(cfg.tree_widths), cfg.tree_sampled_nodes)
+                if method == "tree":  # the tree of the draft's kind (EAGLE head, draft model, lookup)
+                    prop = TreeSpec(topk=cfg.tree_topk, depth=k, nodes=cfg.tree_nodes,
+                                    branching=tuple(cfg.tree_branching), candidates=cfg.tree_candidates,
+                                    widths=tuple(cfg.tree_widths),
+                                    sampled_nodes=cfg.tree_sampled_nodes).proposer(runner.draft, target.vocab_size)
                 else:
                     prop = make_proposer(runner.draft, k, target.vocab_size)
                 eng = SpeculativeEngine(target, prop, method)
