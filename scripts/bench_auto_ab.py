@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--float-weights", action="store_true",
                     help="the target's GGUF blocks dequantized to float32 (weight_blocks=False), as before")
     a = ap.parse_args(argv)
+    if a.passes < 1 or a.groups < 1 or a.max_new < 1:
+        ap.error("--passes, --groups and --max-new must be >= 1")
     if a.fresh_costs:
         os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-costs-")
     import numpy as np

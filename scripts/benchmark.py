@@ -121,8 +121,8 @@ def main(argv=None) -> int:
             over[name_] = getattr(args, name_)
     if args.batch_sizes is not None:
         over["batch_sizes"] = args.batch_sizes
-    if args.markdown is not None:
-        over["markdown"] = args.markdown
+    if args.markdown is not None:  # a path given here is the caller's (a config's is the repository's)
+        over["markdown"] = str(Path(args.markdown).resolve())
     if args.no_plots:
         over["plots"] = False
     cfg = load_bench_config(name, **over)

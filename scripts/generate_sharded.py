@@ -139,9 +139,11 @@ def main(argv=None) -> int:
               "tokens_per_round": round(n_tok / max(rounds, 1), 3)}
     if a.compare:
         ar = engine.AutoregressiveEngine(target, sharding=plan)
-        ar.generate(prompts, seed=a.seed, sampling_params=sp, max_new_tokens=g.max_new_tokens)
+        greedy = g.method == "greedy"  # the argmax chain's baseline is greedy decoding
+        ar.generate(prompts, seed=a.seed, sampling_params=sp, max_new_tokens=g.max_new_tokens, greedy=greedy)
         t0 = time.time()
-        base = ar.generate(prompts, seed=a.seed, sampling_params=sp, max_new_tokens=g.max_new_tokens)
+        base = ar.generate(prompts, seed=a.seed, sampling_params=sp, max_new_tokens=g.max_new_tokens,
+                           greedy=greedy)
         t_ar = time.time() - t0
         result["autoregressive_tokens_per_second"] = round(sum(map(len, base.tokens)) / t_ar, 1)
         result["speedup"] = round(t_ar / t_spec * n_tok / max(sum(map(len, base.tokens)), 1), 3)

@@ -51,7 +51,11 @@ def main(argv=None) -> int:
     if a.time_budget is not None and a.time_budget <= 0:
         print("error: --time-budget must be > 0 seconds", file=sys.stderr)
         return 2
-    res = T.train(cfg, stop_after=a.stop_after, time_budget=a.time_budget)
+    try:
+        res = T.train(cfg, stop_after=a.stop_after, time_budget=a.time_budget)
+    except (T.BudgetError, T.ResumeError) as e:  # one line, as for the other bad input
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     res.pop("params", None)
     print(json.dumps(res))
     return 0

@@ -64,6 +64,7 @@ def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Opti
     ``scan_layers``: True, False or ``"auto"`` (the faster mode of the backend:
     :func:`specjax.models.llama.default_scan_layers`).
     ``overrides``: further config fields (e.g. ``cpu_kernels``)."""
+    check_layer_settings(param_dtype, dtype, scan_layers)
     if scan_layers == "auto":
         from specjax.models.llama import default_scan_layers
 
@@ -95,6 +96,18 @@ def load_target(spec: str = "default", param_dtype: str = "float32", dtype: Opti
     pre = load_preset(spec, **dt)
     m = pre.build(seed=0)
     return m, None, {"kind": "preset", "name": pre.name, "checkpoint": str(pre.checkpoint), **dt}
+
+
+def check_layer_settings(param_dtype, dtype, scan_layers) -> None:
+    """ValueError unless the dtypes are model dtypes and ``scan_layers`` is True, False or
+    "auto" (a string such as "false" is not read as a boolean)."""
+    from specjax.models.llama import _DTYPES
+
+    for name, value in (("param_dtype", param_dtype), ("dtype", dtype)):
+        if value is not None and value not in _DTYPES:
+            raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}")
+    if not (scan_layers is True or scan_layers is False or scan_layers == "auto"):
+        raise ValueError(f"scan_layers must be True, False or 'auto', got {scan_layers!r}")
 
 
 DRAFT_SUFFIXES = (".npz", ".gguf", ".yaml", ".yml")  # the draft files resolve_draft reads (or a folder)
@@ -318,11 +331,12 @@ def clear_engines() -> None:
 
 
 def generate(target, draft, prompts, *, k: Optional[int] = None, method: str = "token",
-             **kwargs) -> GenerateOutput:
-    """Speculative decoding of ``prompts`` (token id lists): see
-    :meth:`specjax.engine.SpeculativeEngine.generate` for the keyword arguments (keys or
-    seed, row_indices, sampling_params, max_new_tokens, stop_tokens, raise_on_error)."""
-    return make_engine(target, draft, k, method).generate(prompts, **kwargs)
+             tree: Optional["TreeSpec"] = None, **kwargs) -> GenerateOutput:
+    """Speculative decoding of ``prompts`` (token id lists; ``tree``: method "tree"'s
+    :class:`TreeSpec`): see :meth:`specjax.engine.SpeculativeEngine.generate` for the keyword
+    arguments (keys or seed, row_indices, sampling_params, max_new_tokens, stop_tokens,
+    raise_on_error)."""
+    return make_engine(target, draft, k, method, tree=tree).generate(prompts, **kwargs)
 
 
 def generate_autoregressive(target, prompts, **kwargs) -> GenerateOutput:
@@ -362,6 +376,7 @@ class RunSpec:
             if self.tree is not None:
                 raise ValueError(f"a tree spec needs method 'tree', not {self.method!r}")
         check_draft_spec(self.draft)
+        check_layer_settings(self.param_dtype, self.dtype, self.scan_layers)
 
 
 @dataclasses.dataclass

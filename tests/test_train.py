@@ -155,6 +155,12 @@ def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files
     la, _ = _curve(tmp_path / "full")
     lb, _ = _curve(tmp_path / "killed")
     assert la == lb  # same config -> same loss curve
+    # a resume under another config is refused before any work (it mixed two runs, or failed
+    # inside orbax on other shapes); more steps may be asked for
+    with pytest.raises(T.ResumeError, match=r"another config \(train.lr differs\)"):
+        T.train(_cfg(prompt_files, tmp_path / "killed", draft, **dict(kw, lr=5e-3)), target=target)
+    T._check_resume(str(tmp_path / "killed"), T.load_config(_cfg(prompt_files, tmp_path / "killed", draft,
+                                                                 **dict(kw, steps=20))))
     if draft["kind"] == "eagle":
         prop = make_proposer(load_draft_model(str(tmp_path / "killed" / "draft.npz"), target), 2, target.vocab_size)
         assert prop.hidden_layers == (0, 1, 2)

@@ -850,6 +850,37 @@ def _ckpt_manager(out_dir):
                                  options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
 
 
+class ResumeError(ValueError):
+    """An output folder whose checkpoints belong to a run of another config."""
+
+
+RESUMABLE = ("train.steps", "train.progress", "train.out_dir")  # what a resumed run may change
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _check_resume(out_dir, cfg: RunConfig) -> None:
+    """:class:`ResumeError` when ``out_dir`` holds checkpoints of a run whose config differs from
+    ``cfg`` in more than :data:`RESUMABLE` (a resume would mix two runs, or fail inside
+    orbax on other shapes)."""
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(path) or _ckpt_manager(out_dir).latest_step() is None:
+        return
+    with open(path) as f:
+        old = _flat(json.load(f))
+    new = _flat(json.loads(json.dumps(cfg.to_dict())))
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE]
+    if diff:
+        verb = "differs" if len(diff) == 1 else "differ"
+        raise ResumeError(f"{out_dir} holds checkpoints of a run with another config ({', '.join(diff[:6])}"
+                          f"{' ...' if len(diff) > 6 else ''} {verb}): give a new out_dir, or remove it to start over")
+
+
 def _save(mngr, step, state):
     import orbax.checkpoint as ocp
 
@@ -902,6 +933,10 @@ def _batch(train_data, keys, idx):
             for k in keys}
 
 
+class BudgetError(RuntimeError):
+    """A time budget that fits no training run (too few steps)."""
+
+
 def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, keys, deadline: float, log,
               probe: int = 12, reserve_s: float = 30.0, clock=time.time) -> int:
     """The number of steps that ends the run before ``deadline`` (a ``clock()`` reading), from
@@ -934,7 +969,8 @@ def fit_steps(cfg: RunConfig, draft: Draft, vocab_size: int, train_data, held, k
     log(f"[budget] step {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s), eval {eval_s:.1f} s, "
         f"{max(left, 0):.0f} s left -> steps={steps} (reproduce with --steps {steps})")
     if steps < tc.warmup + 10:
-        raise RuntimeError(f"the time budget fits only {steps} steps (warmup is {tc.warmup})")
+        raise BudgetError(f"the time budget fits only {steps} steps (warmup is {tc.warmup}; "
+                          f"{reserve_s:.0f} s are kept for the final checkpoint and export)")
     return steps
 
 
@@ -952,6 +988,7 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     out_dir = _path(tc.out_dir)
     os.makedirs(out_dir, exist_ok=True)
     log = log or (lambda s: print(s, flush=True))
+    _check_resume(out_dir, cfg)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
     if target is None:
