@@ -26,10 +26,16 @@ def models():
     (dict(draft="eagle2"), "expected default, lookup, none, layers:N or an existing path"),
     (dict(method="tree", k=3), "takes its depth from the tree spec"),
     (dict(method="token", tree=build.TreeSpec()), "needs method 'tree'"),
+    (dict(param_dtype="float33"), "param_dtype must be one of"),  # was a KeyError in build()
+    (dict(scan_layers="false"), "scan_layers must be True, False or 'auto'"),  # was read as True
+    (dict(draft="pyproject.toml"), "a draft file is .npz"),
 ])
 def test_run_spec_rejects_bad_settings_before_loading(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build.RunSpec(**kwargs)
+    if "draft" not in kwargs and "method" not in kwargs and "k" not in kwargs and "tree" not in kwargs:
+        with pytest.raises(ValueError, match=message):
+            build.load_target("tiny", **kwargs)
 
 
 def test_build_a_tiny_run_greedy_equals_autoregressive():
@@ -138,6 +144,11 @@ def test_tree_spec_builds_each_drafts_tree(models):
     pos = build.TreeSpec.parse("topk=2,depth=2,nodes=3,sampled_nodes=15")
     p = build.make_engine(target, em, method="tree", tree=pos).proposer
     assert p.sampled_nodes == 15 and not p.dynamic and p.tree_depth == 4 and p.tree_nodes == 15
+    # build.generate takes the tree too (it passed it on to generate: a TypeError)
+    out = build.generate(target, draft, [[1, 2, 3]], method="tree", tree=build.TreeSpec(depth=2, topk=2, nodes=3),
+                         seed=0, max_new_tokens=3, sampling_params=dict(temperature=0.0))
+    ref = build.generate_autoregressive(target, [[1, 2, 3]], seed=0, max_new_tokens=3, greedy=True)
+    assert out.tokens == ref.tokens
     assert p.k == pos.max_slots and pos.describe()["sampled_nodes"] == 15
     assert isinstance(build.make_engine(target, draft, method="tree").proposer, DraftModelTreeProposer)
     lookup = build.make_engine(target, "lookup", method="tree", tree=spec).proposer
