@@ -116,6 +116,8 @@ def main(argv=None) -> int:
                 out_dir=args.out, temperatures=args.temperatures, methods=args.methods, publish_dir=args.publish_dir)
     if args.ks is not None:
         over.update(ks=args.ks, ks_by_batch=())
+    if args.num_prompts is not None:  # the rows of every timed pass (a config's per-batch rows give way)
+        over.update(rows_by_batch=())
     for name_ in ("tree_topk", "tree_nodes", "tree_branching", "tree_candidates", "tree_widths", "tree_sampled_nodes"):
         if getattr(args, name_) is not None:
             over[name_] = getattr(args, name_)

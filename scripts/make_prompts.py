@@ -855,6 +855,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "configs/train/prompts_train_large.txt"))
     ap.add_argument("--n", type=int, default=4000)
     args = ap.parse_args()
+    if args.n < 1:
+        ap.error(f"--n must be >= 1, got {args.n}")
     prompts, dropped = generate(args.n)
     Path(args.out).write_text("\n".join(prompts) + "\n", encoding="utf-8")
     print(f"wrote {len(prompts)} prompts to {args.out} ({dropped} dropped: held-out or banned subject)")
