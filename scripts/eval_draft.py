@@ -39,17 +39,19 @@ def main(argv=None):
         lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")][: a.prompts]
     prompts = [tok.encode_user(ln) for ln in lines]
     size = a.batch or len(prompts)
-    groups = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+    # (prompts, their rows' indices): every row keeps its own key whatever the grouping
+    groups = [(prompts[i:i + size], list(range(i, min(i + size, len(prompts)))))
+              for i in range(0, len(prompts), size)]
     prop = make_proposer(build.resolve_draft(a.draft, target)[0], a.k, target.vocab_size)
     res = {}
     for name, temp, method in (("t1", 1.0, "token"), ("t0", 0.0, "greedy")):
         sp = sampling.SamplingConfig(temperature=temp)
         eng = engine.SpeculativeEngine(target, prop, method)
         kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.max_new_tokens, stop_tokens=list(tok.stop_ids))
-        for g in groups:  # compiled first: the timed calls decode only
-            eng.compile(g, **kw)
+        for g, rows in groups:  # compiled first: the timed calls decode only
+            eng.compile(g, row_indices=rows, **kw)
         t0 = time.time()
-        outs = [eng.generate(g, **kw) for g in groups]
+        outs = [eng.generate(g, row_indices=rows, **kw) for g, rows in groups]
         t_sp = time.time() - t0
         tokens, stats = [t for o in outs for t in o.tokens], [s for o in outs for s in o.stats]
         reached = np.sum([s.reached_per_position for s in stats], 0)
@@ -63,10 +65,11 @@ def main(argv=None):
                  emitted=emitted, spec_seconds=round(t_sp, 2))
         if not a.no_timing:
             are = build.make_autoregressive_engine(target)
-            for g in groups:
-                are.compile(g, greedy=temp == 0, **kw)
+            for g, rows in groups:
+                are.compile(g, greedy=temp == 0, row_indices=rows, **kw)
             t0 = time.time()
-            ar_tokens = [t for g in groups for t in are.generate(g, greedy=temp == 0, **kw).tokens]
+            ar_tokens = [t for g, rows in groups
+                         for t in are.generate(g, greedy=temp == 0, row_indices=rows, **kw).tokens]
             r["ar_seconds"] = round(time.time() - t0, 2)
             r["ar_emitted"] = sum(len(t) for t in ar_tokens)
             if temp == 0:
