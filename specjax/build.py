@@ -113,9 +113,15 @@ def check_layer_settings(param_dtype, dtype, scan_layers) -> None:
 DRAFT_SUFFIXES = (".npz", ".gguf", ".yaml", ".yml")  # the draft files resolve_draft reads (or a folder)
 
 
+def draft_layers(spec: str) -> Optional[int]:
+    """N of a ``layers:N`` draft spec (the target's first N layers), else None."""
+    m = re.fullmatch(r"layers:(\d+)", spec)
+    return None if m is None else int(m.group(1))
+
+
 def check_draft_spec(spec: str) -> None:
     """ValueError unless ``spec`` can name a draft (checked before any model is loaded)."""
-    if spec in ("default", "none") or spec in LOOKUP_NAMES or re.fullmatch(r"layers:\d+", spec):
+    if spec in ("default", "none") or spec in LOOKUP_NAMES or draft_layers(spec) is not None:
         return
     p = Path(spec)
     if not spec.strip() or not p.exists():
@@ -152,9 +158,8 @@ def resolve_draft(spec: str, target):
         return d, {"kind": "model", "spec": "default", "name": getattr(d.config, "name", "?")}
     if spec in LOOKUP_NAMES:
         return "lookup", {"kind": "lookup", "spec": "lookup"}
-    m = re.fullmatch(r"layers:(\d+)", spec)
-    if m:
-        n = int(m.group(1))
+    n = draft_layers(spec)
+    if n is not None:
         return first_layers_draft(target, n), {"kind": "layers", "spec": spec, "n_layers": n}
     p = Path(spec)
     runtime = dict(param_dtype=target.config.param_dtype, dtype=target.config.dtype,

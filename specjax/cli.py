@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -115,8 +114,13 @@ def _check_args(a) -> list:
         prompts = [a.prompt]
     from specjax import build
 
+    if a.draft == "none":  # before --k gets its default
+        given = [f for f, on in (("--method", a.method != "token"), ("--k", a.k is not None),
+                                 ("--tree", a.tree is not None), ("--compare", a.compare)) if on]
+        if given:
+            verb = "does" if len(given) == 1 else "do"
+            raise UsageError(f"--draft none decodes autoregressively: {', '.join(given)} {verb} not apply")
     a.tree_spec = None
-    a.k_given = a.k is not None
     if a.method == "tree":
         if a.k is not None:
             raise UsageError("--k does not apply to --method tree: give the tree's depth with "
@@ -156,8 +160,6 @@ def _check_args(a) -> list:
     a.bias = _bias_map(a.logit_bias)
     if a.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {a.repeats}")
-    if a.top_k is not None and a.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0 (0: off), got {a.top_k}")
     from specjax.keys import check_seed
     from specjax.sampling import env_switch
 
@@ -171,10 +173,10 @@ def _check_args(a) -> list:
             env_switch(name)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    if a.temperature is not None and (not math.isfinite(a.temperature) or a.temperature < 0):
-        raise UsageError(f"--temperature must be a finite number >= 0, got {a.temperature}")
-    if a.top_p is not None and not (0.0 < a.top_p <= 1.0):
-        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
+    for key, (ok, rule) in SAMPLING_RULES.items():  # None: the model's recommendation, checked later
+        value = getattr(a, key)
+        if value is not None and not ok(value):
+            raise UsageError(f"--{key.replace('_', '-')} must be {rule}, got {value}")
     a.model_source = _model_source(a.model)
     if not (0.0 <= a.min_p < 1.0):
         raise UsageError(f"--min-p must be in [0, 1), got {a.min_p}")
@@ -190,12 +192,6 @@ def _check_args(a) -> list:
     if a.repetition_penalty < F32_TINY:
         raise UsageError(f"--repetition-penalty: {a.repetition_penalty} is below float32's smallest normal "
                          f"value ({F32_TINY:.3g}; it must be > 0)")
-    if a.draft == "none":
-        given = [f for f, on in (("--method", a.method != "token"), ("--k", a.k_given),
-                                 ("--tree", a.tree is not None), ("--compare", a.compare)) if on]
-        if given:
-            verb = "does" if len(given) == 1 else "do"
-            raise UsageError(f"--draft none decodes autoregressively: {', '.join(given)} {verb} not apply")
     return prompts
 
 
@@ -330,15 +326,20 @@ def _tokenizer_and_config(src: ModelSource):
 def _check_prompts(a, ids, cfg) -> None:
     """Prompt lengths against the draft's minimum and the model's context, and token ids of
     the generation controls against the vocabulary, before loading."""
+    from specjax import build
     from specjax.drafts import LOOKUP_NAMES
     from specjax.drafts.files import SHIPPED
+    from specjax.drafts.model import check_first_layers
 
     uses_lookup = a.draft == "none" or a.draft in LOOKUP_NAMES or (
         a.draft == "default" and cfg.name not in SHIPPED)
     min_len = 1 if uses_lookup else 2  # a draft model re-feeds the last two tokens
-    m = re.fullmatch(r"layers:(\d+)", a.draft)
-    if m and not 1 <= int(m.group(1)) <= cfg.n_layers:
-        raise UsageError(f"--draft {a.draft}: the target has {cfg.n_layers} layers (give 1 to {cfg.n_layers})")
+    n = build.draft_layers(a.draft)
+    if n is not None:
+        try:
+            check_first_layers(n, cfg.n_layers)
+        except ValueError as e:
+            raise UsageError(f"--draft: {e}") from None
     limit = cfg.max_position or 1 << 30
     for i, x in enumerate(ids):
         if len(x) < min_len:
@@ -448,17 +449,19 @@ def _compile_and_run(name, eng, ids, stream_to=None, tok=None, batch_size=16, **
 
 
 SAMPLING_DEFAULTS = dict(temperature=0.7, top_p=0.9, top_k=0)
+# what a flag or the model's generation_config.json may give for each: (test, rule)
+SAMPLING_RULES = {"temperature": (lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"),
+                  "top_p": (lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
+                  "top_k": (lambda k: k >= 0, ">= 0 (0: off)")}
 
 
 def _sampling_settings(a, src) -> dict:
     """temperature / top-p / top-k: the flag, else the model's recommendation, else the
     built-in default; with where each came from."""
     rec = src.sampling_defaults()
-    rules = {"temperature": (lambda t: math.isfinite(t) and 0 <= t <= F32_MAX, "a finite number >= 0"),
-             "top_p": (lambda p: 0 < p <= 1, "in (0, 1]"), "top_k": (lambda k: k >= 0, ">= 0 (0: off)")}
-    for key, value in rec.items():  # checked like the flags
-        ok, rule = rules[key]
-        if not ok(value):
+    for key, value in rec.items():  # checked like the flags (and a temperature's float32 range)
+        ok, rule = SAMPLING_RULES[key]
+        if not ok(value) or (key == "temperature" and value > F32_MAX):
             raise UsageError(f"--model {src.label}: its generation_config.json gives {key} {value}; "
                              f"it must be {rule} (give --{key.replace('_', '-')} instead)")
     out, origin = {}, {}

@@ -91,14 +91,19 @@ class DraftModelProposer(ModelBackedProposer):
 
 
 
+def check_first_layers(n_layers: int, target_layers: int) -> None:
+    """ValueError unless a ``layers:N`` draft can take ``n_layers`` of ``target_layers``."""
+    if not 1 <= n_layers <= target_layers:
+        raise ValueError(f"layers:{n_layers}: the target has {target_layers} layers (give 1 to {target_layers})")
+
+
 def first_layers_draft(target, n_layers: int):
     """A training-free draft: the target's first ``n_layers`` layers with its embedding,
     final norm and head (same vocabulary, same dtype settings)."""
     from specjax.models.llama import LlamaLM
 
     cfg = target.config
-    if not 1 <= n_layers <= cfg.n_layers:
-        raise ValueError(f"layers:{n_layers}: the target has {cfg.n_layers} layers")
+    check_first_layers(n_layers, cfg.n_layers)
     w = target.canonical_weights(blocks=True) if getattr(cfg, "weight_blocks", False) else target.canonical_weights()
     w = {k: (v[:n_layers] if getattr(v, "ndim", 0) >= 1 and v.shape[0] == cfg.n_layers
              and k not in ("embed", "final_norm", "lm_head") else v) for k, v in w.items()}
