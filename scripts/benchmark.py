@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: specjax, scripts.bench
 
 from scripts.bench import REPO  # noqa: E402
-from scripts.bench.config import build_prompts, load_bench_config  # noqa: E402
+from scripts.bench.config import build_prompts, grid_k, load_bench_config  # noqa: E402
 from scripts.bench.peer import run_peer  # noqa: E402
 from scripts.bench.plots import make_plots  # noqa: E402
 from scripts.bench.report import (  # noqa: E402
@@ -55,7 +55,12 @@ from specjax.build import load_target, resolve_draft  # noqa: E402
 
 
 def _csv(typ):
-    return lambda s: tuple(typ(x) for x in s.split(",") if x.strip())
+    def parse(s):
+        try:
+            return tuple(typ(x) for x in s.split(",") if x.strip())
+        except ValueError as e:  # argparse shows this message, one line
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 def parse_args(argv=None):
@@ -72,7 +77,8 @@ def parse_args(argv=None):
                          "Default: the config's scan_layers, 'auto' = the backend's faster mode")
     ap.add_argument("--unrolled-layers", action="store_const", const=False, dest="scan_layers",
                     help="one module per layer, unrolled")
-    ap.add_argument("--ks", type=_csv(int), default=None, help="comma-separated K values (all batch sizes)")
+    ap.add_argument("--ks", type=_csv(grid_k), default=None,
+                    help="comma-separated K values, 'auto' for the adaptive engine (all batch sizes)")
     ap.add_argument("--batch-sizes", type=_csv(int), default=None)
     ap.add_argument("--temperatures", type=_csv(float), default=None)
     ap.add_argument("--methods", type=_csv(str), default=None, help="token,block,tree")
@@ -127,7 +133,11 @@ def main(argv=None) -> int:
         over["markdown"] = str(Path(args.markdown).resolve())
     if args.no_plots:
         over["plots"] = False
-    cfg = load_bench_config(name, **over)
+    try:
+        cfg = load_bench_config(name, **over)
+    except (ValueError, FileNotFoundError) as e:  # a bad config or override: one line, exit 2
+        print(f"benchmark.py: error: {e}", file=sys.stderr)
+        return 2
     if args.no_markdown:
         cfg = cfg.replace(markdown=None)
     if cfg.chi_square_temperature not in cfg.temperatures:

@@ -25,15 +25,37 @@ def _tuple(x, typ):
     return tuple(typ(v) for v in x)
 
 
+def grid_k(x):
+    """One K of the grid: an integer, or ``"auto"`` (the adaptive engine, ``k="auto"``)."""
+    if isinstance(x, str) and x.strip().lower() == "auto":
+        return "auto"
+    try:
+        if not isinstance(x, bool) and float(x) == int(float(x)):
+            return int(float(x))
+    except (TypeError, ValueError, OverflowError):
+        pass
+    raise ValueError(f"K must be an integer or 'auto', got {x!r}")
+
+
+def k_order(k) -> tuple:
+    """Sort key of grid Ks: the fixed Ks in order, then auto."""
+    return (1, 0) if k == "auto" else (0, k)
+
+
+def _as_tuple(v) -> tuple:
+    return v if isinstance(v, tuple) else (v,)
+
+
 def _per_batch(x) -> tuple:
-    """``{1: [..], 4: [..]}`` (YAML mapping) -> sorted tuple of ``(batch, value)`` pairs."""
+    """``{1: [..], 4: [..]}`` (YAML mapping) -> sorted tuple of ``(batch, value)`` pairs
+    (list values are grid Ks: integers or "auto")."""
     if x is None:
         return ()
     if isinstance(x, dict):
         x = x.items()
     out = []
     for b, v in x:
-        out.append((int(b), tuple(int(k) for k in v) if isinstance(v, (list, tuple)) else int(v)))
+        out.append((int(b), tuple(grid_k(k) for k in v) if isinstance(v, (list, tuple)) else int(v)))
     return tuple(sorted(out))
 
 
@@ -69,6 +91,8 @@ class BenchConfig:
     tree_widths: tuple = ()
     tree_sampled_nodes: int = 0  # > 0: sampled rounds fill the positional tree of that many nodes
     batch_sizes: tuple = (1, 4, 16)
+    # the K grid; "auto" times the adaptive engine (k="auto": 0..build.AUTO_MAX_K draft
+    # tokens a round by the measured round costs), in its own group after the fixed Ks
     ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     ks_by_batch: tuple = ()  # ((batch, (k, ...)), ...): K grid per batch size (default: ks)
     rows_by_batch: tuple = ()  # ((batch, rows), ...): prompts per timed repetition (default: num_prompts)
@@ -96,7 +120,7 @@ class BenchConfig:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        for k, typ in (("temperatures", float), ("methods", str), ("batch_sizes", int), ("ks", int),
+        for k, typ in (("temperatures", float), ("methods", str), ("batch_sizes", int), ("ks", grid_k),
                        ("peer_dtypes", str), ("peer_ks", int), ("peer_schedules", str),
                        ("peer_temperatures", float), ("tree_branching", int), ("tree_widths", int)):
             set_(k, _tuple(getattr(self, k), typ) or ())
@@ -105,8 +129,9 @@ class BenchConfig:
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ValueError(f"methods must be among {METHODS}, got {bad}")
-        if any(k < 1 for k in self.ks) or any(b < 1 for b in self.batch_sizes):
-            raise ValueError("K and batch sizes must be >= 1")
+        ks_all = set(self.ks).union(*(set(_as_tuple(v)) for _, v in self.ks_by_batch))
+        if any(k != "auto" and k < 1 for k in ks_all) or any(b < 1 for b in self.batch_sizes):
+            raise ValueError("K and batch sizes must be >= 1 (or K 'auto')")
         if any(t < 0 for t in self.temperatures):
             raise ValueError("temperatures must be >= 0")
         if self.repeats < 1 or self.max_new_tokens < 1 or self.num_prompts < 1:
@@ -120,7 +145,8 @@ class BenchConfig:
 
     # -- derived --------------------------------------------------------------------------
     def ks_for(self, batch: int) -> tuple:
-        return dict(self.ks_by_batch).get(batch, self.ks)
+        """The batch size's grid Ks: the fixed ones in order, then "auto" (its own group)."""
+        return tuple(sorted(dict.fromkeys(_as_tuple(dict(self.ks_by_batch).get(batch, self.ks))), key=k_order))
 
     def rows_for(self, batch: int) -> int:
         r = dict(self.rows_by_batch).get(batch)

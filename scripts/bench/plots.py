@@ -20,7 +20,7 @@ def make_plots(cfg, result: dict, out_dir: Path) -> list:
     except ImportError:
         log("matplotlib is not installed (pip install matplotlib): no plots")
         return []
-    spec = result["speculative"]
+    spec = [r for r in result["speculative"] if r["k"] != "auto"]  # per-K plots (k=auto: its table)
     files = []
     label = f"{result['model']['name'][:40]} / draft {result['draft']['spec']}"
 

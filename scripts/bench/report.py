@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from scripts.bench import REPO
+from scripts.bench.config import k_order
 
 BEGIN_MARK = "<!-- benchmark:begin -->"
 END_MARK = "<!-- benchmark:end -->"
@@ -207,7 +208,7 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
         L.append("")
         L.append(hdr)
         L.append(sep)
-        for r in sorted(rows, key=lambda r: (r["temperature"], r["method"], r["k"])):
+        for r in sorted(rows, key=lambda r: (r["temperature"], r["method"], k_order(r["k"]))):
             p, q = r["predicted_speedup"], r["achieved_over_predicted"]
             L.append(f"| {r['temperature']:g} | {r['method']} | {r['k']} | {_spread(r['tokens_per_s'])} | "
                      f"{_spread(r['speedup'], 2)} | {_spread(r.get('decode_speedup'), 2)} | {fmt(r['mean_alpha'], 3)} | "
@@ -218,6 +219,8 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
         L.append("")
         L.append("</details>")
         L.append("")
+
+    L += auto_section(result["speculative"])
 
     # block vs token
     if len(cfg.methods) > 1 and {"token", "block"} <= set(cfg.methods):
@@ -286,10 +289,55 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
     return "\n".join(L)
 
 
+def auto_vs_fixed(spec_rows) -> list:
+    """Per k=auto row: its speedup, the best fixed K's at the same batch size, method and
+    temperature, and their ratio."""
+    out = []
+    for r in spec_rows:
+        if r["k"] != "auto":
+            continue
+        fixed = [q for q in spec_rows if q["k"] != "auto" and
+                 (q["batch_size"], q["method"], q["temperature"]) == (r["batch_size"], r["method"], r["temperature"])]
+        best = max(fixed, key=lambda q: q["speedup"]["median"]) if fixed else None
+        out.append({"row": r, "best": best,
+                    "auto_over_best": r["speedup"]["median"] / best["speedup"]["median"] if best else None})
+    return out
+
+
+def auto_section(spec_rows) -> list:
+    """The k=auto rows against autoregressive decoding and the best fixed K."""
+    cmp_ = auto_vs_fixed(spec_rows)
+    if not cmp_:
+        return []
+    L = ["### k=auto against autoregressive decoding and the best fixed K", "",
+         "k=auto drafts 0 to K tokens a round (0: a plain autoregressive step) by round costs measured on this "
+         "machine and the acceptance of earlier rounds; its speedup is over the autoregressive passes around its "
+         "group, like every row's. best fixed K: the fastest fixed K of the grid at the same batch size, method and "
+         "temperature (a choice made after the fact, which k=auto has to make online).", "",
+         "| batch | T | method | k=auto speedup | best fixed K: speedup | k=auto / best fixed | "
+         "tok/round (row / batch) | loop iterations by draft tokens 0..K | branch changes | round costs ms (0..K) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(cmp_, key=lambda c: (c["row"]["batch_size"], c["row"]["temperature"], c["row"]["method"])):
+        r, best = c["row"], c["best"]
+        L.append(f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_spread(r['speedup'], 2)} | "
+                 + (f"K={best['k']}: {best['speedup']['median']:.2f}" if best else "–")
+                 + f" | {fmt(c['auto_over_best'])} | {fmt(r['tokens_per_round'])} / {fmt(r['tokens_per_round_batch'])} | "
+                 f"{r.get('iterations_by_draft_tokens') or '–'} | {r.get('switches', '–')} | "
+                 + ", ".join(f"{x:.3g}" for x in r.get("round_costs_ms") or []) + " |")
+    worst = min(cmp_, key=lambda c: c["row"]["speedup"]["median"])["row"]
+    L += ["", f"Lowest k=auto speedup: x{worst['speedup']['median']:.2f} (batch {worst['batch_size']}, "
+              f"T={worst['temperature']:g}, {worst['method']})."]
+    ratios = [c["auto_over_best"] for c in cmp_ if c["auto_over_best"] is not None]
+    if ratios:
+        L.append(f"k=auto / best fixed K: {min(ratios):.2f} to {max(ratios):.2f}.")
+    L.append("")
+    return L
+
+
 def block_vs_token(spec_rows) -> list:
     by = {(r["batch_size"], r["temperature"], r["k"], r["method"]): r for r in spec_rows}
     out = []
-    for (b, t, k, m), r in sorted(by.items()):
+    for (b, t, k, m), r in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], k_order(kv[0][2]), kv[0][3])):
         if m != "token" or (b, t, k, "block") not in by:
             continue
         q = by[(b, t, k, "block")]

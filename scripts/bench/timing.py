@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax import audit, sampling
 from specjax.drafts import ProposeContext, make_proposer
-from specjax.build import TreeSpec
+from specjax.build import AUTO_MAX_K, TreeSpec
 from specjax.engine import AutoregressiveEngine, SpeculativeEngine, bucket, cache_len_for
 
 from scripts.bench.report import fmt, loadavg, log
@@ -58,6 +58,8 @@ class StepTimer:
     """
 
     def __init__(self, target, draft, draft_desc, batch: int, ks, prompt_ids, cfg):
+        # the grid's fixed Ks, and k=auto's widest round (its draft and verify costs)
+        ks = sorted({k for k in ks if k != "auto"} | ({AUTO_MAX_K} if "auto" in ks else set()))
         self.batch, self.ks, self.cfg = batch, tuple(ks), cfg
         n = self.n = cfg.step_repeats
         v = target.vocab_size
@@ -216,10 +218,11 @@ class Runner:
 
     def one_pass(self, eng, batch: int, temperature: float, seed: int, spec: bool, kind: str, k: int = 0) -> dict:
         """One timed pass over the batch size's rows: wall, tokens and summed statistics."""
-        kk = getattr(eng, "stat_positions", max(k, 1)) if spec else max(k, 1)  # a tree: its depth
+        kk = eng.stat_positions if spec else 1  # a tree: its depth; k=auto: its widest round
         p = {"seed": seed, "wall_s": 0.0, "tokens": 0, "calls": 0, "first_call_s": None, "loop_iters": 0,
              "rounds": 0, "row_slots": 0, "drafted": 0, "accepted": 0, "emitted": 0, "alpha_sum": 0.0,
-             "alpha_n": 0, "reached": np.zeros(kk, np.int64), "accepted_pos": np.zeros(kk, np.int64)}
+             "alpha_n": 0, "reached": np.zeros(kk, np.int64), "accepted_pos": np.zeros(kk, np.int64),
+             "k_rounds": np.zeros(kk + 1, np.int64), "switches": 0}
         chi = abs(temperature - self.cfg.chi_square_temperature) < 1e-9
         for rows in self.batches(batch):
             dt, out = self._call(eng, rows, seed, temperature)
@@ -243,6 +246,9 @@ class Runner:
                 p["alpha_n"] += int(np.asarray(raw["alpha_n"]).sum())
                 p["reached"] += np.asarray(raw["reached_pos"]).sum(axis=0)
                 p["accepted_pos"] += np.asarray(raw["accepted_pos"]).sum(axis=0)
+                if "k_rounds" in raw:  # k=auto: loop iterations by draft tokens, branch changes
+                    p["k_rounds"] += np.asarray(raw["k_rounds"])
+                    p["switches"] += int(raw["switches"])
             else:
                 p["loop_iters"] += self.cfg.max_new_tokens
         p["tokens_per_s"] = p["tokens"] / p["wall_s"]
@@ -255,6 +261,7 @@ def merge_spec_passes(passes: list) -> dict:
     s = {key: sum(p[key] for p in passes) for key in
          ("rounds", "loop_iters", "row_slots", "drafted", "accepted", "emitted", "alpha_sum", "alpha_n")}
     reached = np.sum([p["reached"] for p in passes], axis=0)
+    k_rounds = np.sum([p["k_rounds"] for p in passes], axis=0)
     acc = np.sum([p["accepted_pos"] for p in passes], axis=0)
     r = max(s["rounds"], 1)
     return {
@@ -274,6 +281,9 @@ def merge_spec_passes(passes: list) -> dict:
         "acceptance_per_position": [float(a / n) if n else None for a, n in zip(acc, reached)],
         "reached_per_position": reached.tolist(),
         "accepted_per_position": acc.tolist(),
+        # k=auto: the batch's loop iterations by draft tokens 0..K, and branch changes
+        "iterations_by_draft_tokens": k_rounds.tolist() if k_rounds.any() else None,
+        "switches": sum(p["switches"] for p in passes),
     }
 
 
@@ -318,17 +328,28 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
         for gi, k in enumerate(ks):
             engines = {}
             for mi, method in enumerate(cfg.methods):
-                if method == "tree":  # the tree of the draft's kind (EAGLE head, draft model, lookup)
+                if k == "auto" and method == "tree":
+                    log(f"B={batch} tree: no k=auto (a tree has its own shape)")
+                    continue
+                if k == "auto":  # adaptive: 0..AUTO_MAX_K draft tokens a round (build.make_engine(k="auto"))
+                    prop = make_proposer(runner.draft, AUTO_MAX_K, target.vocab_size)
+                elif method == "tree":  # the tree of the draft's kind (EAGLE head, draft model, lookup)
                     prop = TreeSpec(topk=cfg.tree_topk, depth=k, nodes=cfg.tree_nodes,
                                     branching=tuple(cfg.tree_branching), candidates=cfg.tree_candidates,
                                     widths=tuple(cfg.tree_widths),
                                     sampled_nodes=cfg.tree_sampled_nodes).proposer(runner.draft, target.vocab_size)
                 else:
                     prop = make_proposer(runner.draft, k, target.vocab_size)
-                eng = SpeculativeEngine(target, prop, method)
+                eng = SpeculativeEngine(target, prop, method, adaptive=k == "auto")
                 t0 = time.perf_counter()
-                first = runner.warm(eng, batch)
+                first = runner.warm(eng, batch)  # k=auto: its round costs are measured (or read) here
                 engines[method] = (eng, first, time.perf_counter() - t0, mi)
+                if k == "auto":
+                    log(f"B={batch} {method} k=auto round costs (ms, drafting 0..{AUTO_MAX_K} tokens): "
+                        + ", ".join(f"{1e3 * c:.1f}" for c in eng.costs_for(batch)))
+            if not engines:
+                bracket(gi + 1, cfg.repeats if gi == len(ks) - 1 else 1)
+                continue
             for temp in cfg.temperatures:
                 for rep in range(cfg.repeats):
                     for method, (eng, _, _, mi) in engines.items():
@@ -345,6 +366,8 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
                         compile_s = max(first - statistics.median(p["first_call_s"] for p in st["passes"]), 0.0)
                     r.update(batch_size=batch, method=method, k=k, temperature=temp, group=gi, warmup_s=wt,
                              compile_s=compile_s)
+                    if k == "auto":
+                        r["round_costs_ms"] = [1e3 * float(c) for c in eng.costs_for(batch)]
                     st["row"] = r
                     log(f"B={batch} {method:5s} K={k} T={temp}: {statistics.median(r['tokens_per_s_passes']):7.1f} tok/s"
                         f"  alpha={fmt(r['mean_alpha'], 3)}  tok/round={r['tokens_per_round']:.2f}")
@@ -411,6 +434,11 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
             r["decode_tokens_per_s"] = summarize(dtps)
             r["decode_speedup"] = summarize([x / dbase for x in dtps])
             a = r["mean_alpha"]
+            if k == "auto":  # K changes from round to round: no closed-form prediction
+                r.update(c=None, c_propose=None, verify_ratio=None, predicted_speedup={},
+                         achieved_over_predicted={})
+                spec_rows.append(r)
+                continue
             c, vk, cp = sc["c"][k], sc["v"][k], sc["c_propose"][k]
             r.update(c=c, c_propose=cp, verify_ratio=vk)
             pred = {

@@ -1,0 +1,77 @@
+"""The benchmark's k=auto rows (issue 15): ``--ks auto`` in scripts/benchmark.py on the
+tiny random model, and the K grid's parsing. Its own file, so that pytest-xdist can run it
+beside test_benchmark_quick.py (k=auto measures its round costs first: ~30 s)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specjax.build import AUTO_MAX_K
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "scripts" / "benchmark.py"
+
+
+def _finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.mark.slow
+def test_benchmark_times_k_auto(tmp_path):
+    out = tmp_path / "bench"
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               SPECJAX_CACHE_DIR=str(tmp_path / "cache"))  # its round costs measured here
+    cmd = [sys.executable, str(BENCH), "--quick", "--model", "tiny", "--draft", "lookup", "--ks", "auto,2",
+           "--methods", "token", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "benchmark.json").read_text())
+    spec = {r["k"]: r for r in res["speculative"]}
+    assert set(spec) == {2, "auto"}
+    r = spec["auto"]
+    assert spec[2]["group"] == 0 and r["group"] == 1  # fixed Ks first, then auto (its own group, last)
+    assert r["emitted"] == 2 * 2 * 32
+    # every loop iteration drafted 0..AUTO_MAX_K tokens
+    assert len(r["iterations_by_draft_tokens"]) == AUTO_MAX_K + 1
+    assert sum(r["iterations_by_draft_tokens"]) == r["loop_iterations"]
+    assert sum(j * n for j, n in enumerate(r["iterations_by_draft_tokens"])) == r["drafted"]
+    assert len(r["round_costs_ms"]) == AUTO_MAX_K + 1 and all(_finite(c) and c > 0 for c in r["round_costs_ms"])
+    assert r["predicted_speedup"] == {} and r["c"] is None  # no closed form for a changing K
+    assert _finite(r["speedup"]["median"]) and r["speedup"]["n"] == 2
+    # the cost table also times k=auto's widest round
+    assert set(res["step_costs"]["1"]["v"]) == {"2", str(AUTO_MAX_K)}
+    md = (out / "benchmark.md").read_text()
+    assert "### k=auto against autoregressive decoding and the best fixed K" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| 1 | 1 | token | "))
+    assert "K=2: " in row and str(r["iterations_by_draft_tokens"]) in row
+    # its tokens are in the exactness check with the fixed K's
+    (ex,) = res["exactness"]
+    assert ex["n_seq_a"] == 2 * (2 * 2)  # 2 settings x 2 repeats x 2 rows
+
+
+def test_grid_ks_parse_and_order():
+    from scripts.bench.config import BenchConfig, grid_k
+
+    assert [grid_k(x) for x in (3, "3", "auto", " AUTO ", 2.0)] == [3, 3, "auto", "auto", 2]
+    cfg = BenchConfig(ks=["auto", 4, 1], ks_by_batch={4: [2, "auto"], 16: 2})
+    assert cfg.ks_for(1) == (1, 4, "auto") and cfg.ks_for(4) == (2, "auto") and cfg.ks_for(16) == (2,)
+    for bad, msg in ((dict(ks=[0]), ">= 1"), (dict(ks=["x"]), "'x'"), (dict(ks=[1.5]), "1.5"),
+                     (dict(ks_by_batch={4: ["autox"]}), "autox"), (dict(ks_by_batch={4: [0]}), ">= 1")):
+        with pytest.raises(ValueError, match=msg):
+            BenchConfig(**bad)
+
+
+@pytest.mark.parametrize("argv, msg", [(["--ks", "2,x"], "argument --ks: K must be an integer or 'auto', got 'x'"),
+                                       (["--ks", "0"], "K and batch sizes must be >= 1"),
+                                       (["--config", "nope"], "unknown benchmark config 'nope'")])
+def test_benchmark_refuses_a_bad_grid_in_one_line(argv, msg, tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--model", "tiny", "--no-markdown",
+                           "--out", str(tmp_path), *argv], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and msg in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "benchmark.json").exists()
