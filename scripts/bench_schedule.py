@@ -40,6 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scripts.bench.dataset import MODES, SETTINGS, DatasetSpec, markdown, run_dataset  # noqa: E402
 from specjax import build, sampling  # noqa: E402
 from specjax.engine import cost_file, resolve_batch_hints  # noqa: E402
 
@@ -99,78 +100,6 @@ def grid(a, target, draft, tok, lines):
     return rows
 
 
-DATASET_MODES = {"fixed": "fixed batches", "all": "continuous, all slots", "tail": "continuous, tail compacted"}
-
-
-def dataset(a, target, draft, tok):
-    texts = _read(REPO / "configs/bench/dataset_prompts.txt")[: a.dataset_prompts]
-    ids = [tok.encode_user(t) for t in texts]
-    sp = sampling.SamplingConfig(temperature=a.dataset_temperature, top_p=a.dataset_top_p)
-    kw = dict(seed=0, sampling_params=sp, max_new_tokens=a.dataset_max_new, stop_tokens=list(tok.stop_ids))
-    b = a.dataset_batch
-    chunks = [list(range(i, min(i + b, len(ids)))) for i in range(0, len(ids), b)]
-    engines = {}
-    if "ar" in a.dataset_settings:
-        engines["autoregressive"] = build.make_autoregressive_engine(target)
-    if "k" in a.dataset_settings:
-        engines[f"K={a.dataset_k}"] = build.make_engine(target, draft, a.dataset_k)
-    if "auto" in a.dataset_settings:
-        engines["K=auto"] = build.make_engine(target, draft, "auto")
-        for m in a.dataset_tail_costs:  # the tail's own tables (others borrow the next larger one)
-            if m < b:
-                engines["K=auto"].costs_for(m)
-    runs = []  # (setting, mode, fn): every program compiled before anything is timed
-    for name, eng in engines.items():
-        for c in chunks:
-            eng.compile([ids[i] for i in c], row_indices=c, **kw)
-        eng.compile(ids, dataset_batch=b, **kw)  # compact=False runs a subset of these programs
-
-        def fixed(eng=eng):
-            outs = [eng.generate([ids[i] for i in c], row_indices=c, **kw) for c in chunks]
-            toks = [t for o in outs for t in o.tokens]
-            stats = None if outs[0].stats is None else [s for o in outs for s in o.stats]
-            iters = sum(int(o.raw["iterations"]) for o in outs)
-            slot_iters = sum(len(c) * int(o.raw["iterations"]) for c, o in zip(chunks, outs))
-            return toks, stats, iters, slot_iters
-
-        def cont(compact, eng=eng):
-            def run():
-                o = eng.generate_dataset(ids, batch_size=b, compact=compact, **kw)
-                return o.tokens, o.stats, int(o.raw["iterations"]), int(o.raw["slot_iterations"])
-            return run
-
-        modes = {"fixed": fixed, "all": cont(False), "tail": cont(True)}
-        for m in a.dataset_modes:
-            runs.append((name, DATASET_MODES[m], modes[m]))
-        if a.dataset_ladder:
-            eng.compile(ids, dataset_batch=b, compact=list(a.dataset_ladder), **kw)
-            runs.append((name, f"continuous, tail sizes {','.join(map(str, a.dataset_ladder))}",
-                         cont(list(a.dataset_ladder))))
-    # --dataset-repeats rounds over every (setting, mode), interleaved, so that the machine's
-    # drift falls on all of them alike; the median time is reported (outputs are the same
-    # every time: the keys are fixed)
-    first, times = {}, {}
-    for _ in range(a.dataset_repeats):
-        for name, mode, fn in runs:
-            got, dt = _timed(fn)
-            first.setdefault((name, mode), got)
-            times.setdefault((name, mode), []).append(dt)
-    res = []
-    for name, mode, _ in runs:
-        (toks, stats, iters, slot_iters), dts = first[(name, mode)], times[(name, mode)]
-        dt = float(np.median(dts))
-        n = sum(len(t) for t in toks)
-        row = dict(setting=name, mode=mode, seconds=dt, all_seconds=dts, tokens=n, ms_per_token=1e3 * dt / n,
-                   iterations=iters, slot_iterations=slot_iters,
-                   tokens_per_iteration_per_slot=n / slot_iters, lengths=[len(t) for t in toks])
-        if stats is not None:
-            row["rows_tokens_per_round"] = n / sum(s.rounds for s in stats)
-        row["tokens_list"] = toks
-        res.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens_list", "lengths")}), flush=True)
-    return res
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=_csv(int), default=(1, 4, 16))
@@ -191,9 +120,9 @@ def main():
                          "a tail size without one borrows the next larger size's")
     ap.add_argument("--dataset-temperature", type=float, default=0.7)
     ap.add_argument("--dataset-top-p", type=float, default=0.9)
-    ap.add_argument("--dataset-settings", type=_csv(str), default=("ar", "k", "auto"),
+    ap.add_argument("--dataset-settings", type=_csv(str), default=SETTINGS,
                     help="engines of the dataset run: ar (autoregressive), k (--dataset-k), auto")
-    ap.add_argument("--dataset-modes", type=_csv(str), default=tuple(DATASET_MODES),
+    ap.add_argument("--dataset-modes", type=_csv(str), default=tuple(MODES),
                     help="fixed (fixed batches), all (continuous, every slot to the end), tail (continuous, "
                          "tail compacted)")
     ap.add_argument("--dataset-repeats", type=int, default=1,
@@ -202,11 +131,12 @@ def main():
     ap.add_argument("--skip-dataset", action="store_true")
     ap.add_argument("--out", default="out/bench_schedule")
     a = ap.parse_args()
-    bad = [x for x in a.dataset_settings if x not in ("ar", "k", "auto")] + \
-        [x for x in a.dataset_modes if x not in DATASET_MODES]
-    if bad or a.dataset_repeats < 1 or not a.dataset_settings or not a.dataset_modes:
-        ap.error(f"--dataset-settings: ar,k,auto; --dataset-modes: {','.join(DATASET_MODES)}; "
-                 f"--dataset-repeats >= 1 (got {', '.join(bad) or a.dataset_repeats})")
+    try:
+        spec = DatasetSpec(batch=a.dataset_batch, max_new_tokens=a.dataset_max_new, temperature=a.dataset_temperature,
+                           top_p=a.dataset_top_p, k=a.dataset_k, settings=a.dataset_settings, modes=a.dataset_modes,
+                           repeats=a.dataset_repeats, ladder=a.dataset_ladder, tail_costs=a.dataset_tail_costs)
+    except ValueError as e:
+        ap.error(str(e))
     if not 0 < a.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {a.top_p}")
     target, tok, _ = build.load_target("default")
@@ -220,7 +150,8 @@ def main():
     if not a.skip_grid:
         out["grid"] = grid(a, target, draft, tok, lines)
     if not a.skip_dataset:
-        out["dataset"] = dataset(a, target, draft, tok)
+        ids = [tok.encode_user(t) for t in _read(REPO / "configs/bench/dataset_prompts.txt")[: a.dataset_prompts]]
+        out["dataset"] = run_dataset(spec, target, draft, ids, list(tok.stop_ids))
     md = lines + [""]
     if out["grid"]:
         md += ["| batch | T | setting | s (median) | tok/s | speedup | tok/round | rounds by draft tokens | branches entered |",
@@ -230,24 +161,7 @@ def main():
                       f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r.get('tokens_per_round', float('nan')):.2f} | "
                       f"{r.get('k_rounds', '')} | {r.get('switches', '')} |")
         md.append("")
-    if out["dataset"]:
-        md += ["| setting | mode | s | tokens | ms/token | loop iterations | slot iterations | tok/iteration/slot | rows' tok/round | ratio | same tokens as fixed |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
-        # each setting's fixed-batch tokens, whatever order --dataset-modes ran the modes in
-        ref = {r["setting"]: r["tokens_list"] for r in out["dataset"] if r["mode"] == "fixed batches"}
-        for r in out["dataset"]:
-            same = ""
-            if r["mode"] != "fixed batches" and r["setting"] in ref:
-                same = "yes" if ref[r["setting"]] == r["tokens_list"] else "no"
-            per_row = r.get("rows_tokens_per_round", 1.0)  # autoregressive: 1 token per step
-            spread = r.get("all_seconds", [])
-            secs = f"{r['seconds']:.1f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else "")
-            md.append(f"| {r['setting']} | {r['mode']} | {secs} | {r['tokens']} | {r['ms_per_token']:.2f} | "
-                      f"{r['iterations']} | {r['slot_iterations']} | {r['tokens_per_iteration_per_slot']:.3f} | "
-                      f"{r.get('rows_tokens_per_round', float('nan')):.3f} | "
-                      f"{r['tokens_per_iteration_per_slot'] / per_row:.3f} | {same} |")
-        lens = out["dataset"][0]["lengths"]
-        md.append(f"\nnatural lengths (first setting): min {min(lens)}, median {int(np.median(lens))}, max {max(lens)}")
+    md += markdown(out["dataset"])
     text = "\n".join(md)
     print(text)
     p = Path(a.out)

@@ -32,6 +32,7 @@ there and links them from the section.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -45,7 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: specjax, scripts.bench
 
 from scripts.bench import REPO  # noqa: E402
-from scripts.bench.config import build_prompts, grid_k, load_bench_config  # noqa: E402
+from scripts.bench.config import build_dataset_prompts, build_prompts, grid_k, load_bench_config  # noqa: E402
+from scripts.bench.dataset import run_dataset  # noqa: E402
 from scripts.bench.peer import run_peer  # noqa: E402
 from scripts.bench.plots import make_plots  # noqa: E402
 from scripts.bench.report import (  # noqa: E402
@@ -102,6 +104,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-dtypes", type=_csv(str), default=None)
     ap.add_argument("--peer-ks", type=_csv(int), default=None)
+    ap.add_argument("--dataset", dest="dataset", action="store_true", default=None,
+                    help="also run the dataset workload (stop tokens on, fixed vs continuous batches; the "
+                         "config's dataset settings, else the defaults of scripts/bench/dataset.py)")
+    ap.add_argument("--no-dataset", dest="dataset", action="store_false")
     ap.add_argument("--out", default=None, help="output directory (default out/bench)")
     ap.add_argument("--markdown", default=None, help="rewrite the marked section of this file (e.g. BENCHMARKS.md)")
     ap.add_argument("--no-markdown", action="store_true", help="do not touch any BENCHMARKS.md")
@@ -135,6 +141,10 @@ def main(argv=None) -> int:
         over["plots"] = False
     try:
         cfg = load_bench_config(name, **over)
+        if args.dataset is False:
+            cfg = cfg.replace(dataset=None)
+        elif args.dataset and cfg.dataset is None:
+            cfg = cfg.replace(dataset={})
     except (ValueError, FileNotFoundError) as e:  # a bad config or override: one line, exit 2
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
@@ -173,6 +183,17 @@ def main(argv=None) -> int:
     res = run_specjax(cfg, runner, lambda b: StepTimer(target, draft, draft_desc, b, cfg.ks_for(b), ids, cfg))
     step_costs = res["step_costs"]
     exact = exactness(cfg, runner)
+    dataset = None
+    if cfg.dataset is not None:
+        spec, prompts_file, n = cfg.dataset_spec()
+        ds_ids, ds_stop = build_dataset_prompts(prompts_file, n, tok, target.vocab_size)
+        log(f"dataset workload: {len(ds_ids)} prompts, {spec}")
+        t0 = time.perf_counter()
+        rows = run_dataset(spec, target, draft, ds_ids, ds_stop, log=log)
+        for r in rows:
+            r.pop("tokens_list")
+        dataset = {"spec": dataclasses.asdict(spec), "prompts_file": prompts_file, "num_prompts": len(ds_ids),
+                   "stop_tokens": len(ds_stop), "rows": rows, "wall_s": time.perf_counter() - t0}
     peer = run_peer(cfg, model_desc, draft_desc, ids, res["speculative"], res["autoregressive"])
 
     result = {
@@ -188,6 +209,7 @@ def main(argv=None) -> int:
         "speculative": res["speculative"],
         "block_vs_token": block_vs_token(res["speculative"]),
         "exactness": exact,
+        "dataset": dataset,
         "peer": peer,
     }
     json_path = out_dir / "benchmark.json"

@@ -75,3 +75,49 @@ def test_benchmark_refuses_a_bad_grid_in_one_line(argv, msg, tmp_path):
                            "--out", str(tmp_path), *argv], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and msg in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "benchmark.json").exists()
+
+
+@pytest.mark.slow
+def test_benchmark_dataset_workload(tmp_path):
+    """A config's ``dataset`` block runs the dataset workload after the grid: fixed batches
+    and continuous batching by the same engines, with the same tokens (autoregressive and
+    fixed K must give them), ragged natural lengths, and its table in the report."""
+    cfg = tmp_path / "ds.yaml"
+    cfg.write_text("model: tiny\ndraft: lookup\nmax_new_tokens: 8\nnum_prompts: 2\ntemperatures: [1.0]\n"
+                   "methods: [token]\nbatch_sizes: [1]\nks: [2]\nrepeats: 1\nstep_repeats: 2\npeer: false\n"
+                   "plots: false\ndataset: {num_prompts: 10, batch: 4, max_new_tokens: 12, settings: [ar, k], "
+                   "k: 2, modes: [fixed, all, tail], repeats: 2}\n")
+    out = tmp_path / "bench"
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run([sys.executable, str(BENCH), "--config", str(cfg), "--out", str(out)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ds = json.loads((out / "benchmark.json").read_text())["dataset"]
+    assert ds["num_prompts"] == 10 and ds["spec"]["batch"] == 4
+    rows = {(r["setting"], r["mode"]): r for r in ds["rows"]}
+    assert set(rows) == {(s, m) for s in ("autoregressive", "K=2")
+                         for m in ("fixed batches", "continuous, all slots", "continuous, tail compacted")}
+    lengths = rows[("autoregressive", "fixed batches")]["lengths"]
+    assert len(lengths) == 10 and min(lengths) < max(lengths) and max(lengths) <= 12  # natural, ragged
+    for (s, m), r in rows.items():  # (a speculative setting draws its own tokens: same law, other draws)
+        own = rows[(s, "fixed batches")]["lengths"]
+        assert r["lengths"] == own and r["tokens"] == sum(own) and len(r["all_seconds"]) == 2
+        assert r["slot_iterations"] >= r["iterations"] > 0 and _finite(r["ms_per_token"])
+        if m != "fixed batches":
+            assert r["same_as_fixed"] is True, (s, m)
+    # fixed batches of 4 over 10 prompts: 3 calls, every slot to its chunk's slowest row
+    assert rows[("autoregressive", "fixed batches")]["iterations"] <= 3 * 12
+    md = (out / "benchmark.md").read_text()
+    assert "### Dataset run: stop tokens on, fixed batches vs continuous batching" in md
+    assert "Continuous against fixed batches, per generated token: autoregressive continuous" in md
+
+
+def test_dataset_config_refuses_unknown_keys_and_values(tmp_path):
+    from scripts.bench.config import BenchConfig
+
+    for bad, msg in (({"batchsize": 4}, "unknown dataset keys"), ({"settings": ["ar", "kk"]}, "kk"),
+                     ({"num_prompts": 0}, "num_prompts"), ({"top_p": 0}, "top_p")):
+        with pytest.raises(ValueError, match=msg):
+            BenchConfig(dataset=bad)
+    spec, prompts, n = BenchConfig(dataset={"modes": "tail", "repeats": 2}).dataset_spec()
+    assert spec.modes == ("tail",) and spec.repeats == 2 and n == 64 and prompts.endswith("dataset_prompts.txt")

@@ -5,6 +5,8 @@
 * :mod:`.timing`: the step-cost timer (c, v_K), the runner of timed passes, the whole
   grid of settings (:func:`~.timing.run_specjax`) and the exactness check;
 * :mod:`.stats`: median and spread, the analytic speedup predictions;
+* :mod:`.dataset`: the dataset workload (stop tokens on; fixed batches vs continuous
+  batching), also used by ``scripts/bench_schedule.py``;
 * :mod:`.peer`: the Hugging Face peer at batch 1 (``scripts/hf_peer.py``);
 * :mod:`.plots`: the PNG plots (matplotlib, optional);
 * :mod:`.report`: the machine description, the log line, the markdown section and the

@@ -15,6 +15,7 @@ from specjax.configs import load_config
 # (specjax.drafts.trees.make_tree_proposer) of depth K, tree_topk children per expanded
 # node and tree_nodes nodes, verified in one tree-attention pass
 METHODS = ("token", "block", "tree")
+DATASET_PROMPTS = "configs/bench/dataset_prompts.txt"  # written apart from the training prompts, many styles
 
 
 def _tuple(x, typ):
@@ -112,6 +113,10 @@ class BenchConfig:
     peer_repeats: int = 2
     peer_num_prompts: int = 0  # 0 = the batch-1 prompt set
     peer_threads: int = 0  # torch threads; 0 = os.cpu_count()
+    # the dataset workload (scripts/bench/dataset.py): None = off, else a mapping of
+    # prompts_file, num_prompts and the fields of dataset.DatasetSpec (batch, max_new_tokens,
+    # temperature, top_p, k, settings, modes, repeats); stop tokens on, natural lengths
+    dataset: Optional[dict] = None
     # outputs
     out_dir: str = "out/bench"
     markdown: Optional[str] = None  # path of the BENCHMARKS.md whose marked section is rewritten
@@ -138,6 +143,8 @@ class BenchConfig:
             raise ValueError("repeats, max_new_tokens and num_prompts must be >= 1")
         if self.peer_schedules and any(s not in ("constant", "heuristic") for s in self.peer_schedules):
             raise ValueError("peer_schedules must be among constant, heuristic")
+        if self.dataset is not None:
+            self.dataset_spec()  # checked now, before anything loads
         for b in self.batch_sizes:
             r = self.rows_for(b)
             if r % b:
@@ -153,6 +160,24 @@ class BenchConfig:
         if r is None:
             r = max(batch, (self.num_prompts // batch) * batch)
         return int(r)
+
+    def dataset_spec(self):
+        """``(DatasetSpec, prompts_file, num_prompts)`` of the ``dataset`` mapping."""
+        from scripts.bench.dataset import DatasetSpec
+
+        d = dict(self.dataset)
+        prompts_file = d.pop("prompts_file", DATASET_PROMPTS)
+        num_prompts = int(d.pop("num_prompts", 64))
+        if num_prompts < 1:
+            raise ValueError(f"dataset num_prompts must be >= 1, got {num_prompts}")
+        known = {f.name for f in dataclasses.fields(DatasetSpec)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown dataset keys {unknown}; known: prompts_file, num_prompts, {', '.join(sorted(known))}")
+        for key in ("settings", "modes", "ladder", "tail_costs"):
+            if key in d:
+                d[key] = _tuple(d[key], int if key in ("ladder", "tail_costs") else str)
+        return DatasetSpec(**d), prompts_file, num_prompts
 
     @property
     def compute_dtype(self) -> str:
@@ -191,6 +216,20 @@ def read_prompts(path: str) -> list:
         p = REPO / p
     lines = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines()]
     return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def build_dataset_prompts(prompts_file: str, num_prompts: int, tokenizer, vocab_size: int) -> tuple:
+    """The dataset workload's prompt ids and stop tokens: the file's first ``num_prompts``
+    lines in the chat template and the tokenizer's stop ids; without a tokenizer (a random
+    model) random prompts as :func:`build_prompts` makes them, with the even ids standing in
+    for stop tokens (ragged natural lengths)."""
+    if tokenizer is None:
+        cfg = BenchConfig(num_prompts=num_prompts, batch_sizes=(1,), ks=(1,))
+        return build_prompts(cfg, None, vocab_size)[1], list(range(0, vocab_size, 2))
+    texts = read_prompts(prompts_file)[:num_prompts]
+    if not texts:
+        raise ValueError(f"{prompts_file}: no prompts")
+    return [tokenizer.encode_user(t) for t in texts], list(tokenizer.stop_ids)
 
 
 def build_prompts(cfg: BenchConfig, tokenizer, vocab_size: int) -> tuple:

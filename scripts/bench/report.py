@@ -221,6 +221,7 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
         L.append("")
 
     L += auto_section(result["speculative"])
+    L += dataset_section(result.get("dataset"))
 
     # block vs token
     if len(cfg.methods) > 1 and {"token", "block"} <= set(cfg.methods):
@@ -287,6 +288,25 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
         L.append("")
     L.append(f"Raw figures: `{result['json_path']}` (not committed).")
     return "\n".join(L)
+
+
+def dataset_section(ds) -> list:
+    """The dataset workload's table (scripts/bench/dataset.py), if it ran."""
+    if not ds:
+        return []
+    from scripts.bench.dataset import markdown
+
+    sp = ds["spec"]
+    return ["### Dataset run: stop tokens on, fixed batches vs continuous batching", "",
+            f"The first {ds['num_prompts']} prompts of `{ds['prompts_file']}` (written apart from the training "
+            f"prompts, many styles), T = {sp['temperature']:g}, top-p {sp['top_p']:g}, stop tokens on (natural "
+            f"lengths, at most {sp['max_new_tokens']} tokens), {sp['batch']} slots; K={sp['k']} for the fixed-K "
+            f"setting. Fixed batches: `generate` on consecutive chunks of {sp['batch']} prompts; continuous: "
+            "`generate_dataset` (a finished row's slot takes the next prompt; tail compacted: once no prompt is "
+            f"left, the running rows move to fewer slots). Every program compiled first; {sp['repeats']} timed "
+            "run(s) of every setting and mode, interleaved, medians. tok/iteration/slot: tokens over slots x loop "
+            "iterations; ratio: that over the rows' own tokens per round. Wall time "
+            f"{ds['wall_s'] / 60:.1f} min with compiling.", ""] + markdown(ds["rows"]) + [""]
 
 
 def auto_vs_fixed(spec_rows) -> list:
