@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="draft tokens per round: an integer >= 1, or 'auto' (the default): each round "
                         "drafts 0-3 tokens, chosen from the measured round costs (measured once per "
                         "machine and batch size, saved under ~/.cache/specjax) and the acceptance so far")
-    g.add_argument("--method", choices=["token", "block", "greedy", "tree"], default="token",
-                   help="token/block: exact sampling from the target law with a chain of drafts; tree: "
+    g.add_argument("--method", choices=["token", "block", "greedy", "tree"], default=None,
+                   help="token (the default)/block: exact sampling from the target law with a chain of drafts; tree: "
                         "exact sampling with a draft tree verified in one pass (see --tree); greedy: "
                         "the target's argmax chain")
     g.add_argument("--tree", default=None, metavar="SPEC",
@@ -115,11 +115,12 @@ def _check_args(a) -> list:
     from specjax import build
 
     if a.draft == "none":  # before --k gets its default
-        given = [f for f, on in (("--method", a.method != "token"), ("--k", a.k is not None),
+        given = [f for f, on in (("--method", a.method is not None), ("--k", a.k is not None),
                                  ("--tree", a.tree is not None), ("--compare", a.compare)) if on]
         if given:
             verb = "does" if len(given) == 1 else "do"
             raise UsageError(f"--draft none decodes autoregressively: {', '.join(given)} {verb} not apply")
+    a.method = a.method or "token"
     a.tree_spec = None
     if a.method == "tree":
         if a.k is not None:

@@ -60,6 +60,7 @@ from specjax import build, cli
     (["generate", "hi", "--draft", "none", "--method", "tree", "--tree", "depth=2"],
      "--draft none decodes autoregressively: --method, --tree do not apply"),
     (["generate", "hi", "--draft", "none", "--compare"], "--compare does not apply"),
+    (["generate", "hi", "--draft", "none", "--method", "token"], "--method does not apply"),  # the default, given
     (["generate", "", "--prompts-file", "pyproject.toml"], "give either a prompt or --prompts-file"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
