@@ -3,6 +3,7 @@ tiny random model, and the K grid's parsing. Its own file, so that pytest-xdist 
 beside test_benchmark_quick.py (k=auto measures its round costs first: ~30 s)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -50,6 +51,8 @@ def test_benchmark_times_k_auto(tmp_path):
     assert "### k=auto against autoregressive decoding and the best fixed K" in md
     row = next(ln for ln in md.splitlines() if ln.startswith("| 1 | 1 | token | "))
     assert "K=2: " in row and str(r["iterations_by_draft_tokens"]) in row
+    if importlib.util.find_spec("matplotlib") is not None:  # k=auto: a point of the speedup plot
+        assert (out / "speedup_vs_k.png").is_file() and res["plots"]
     # its tokens are in the exactness check with the fixed K's
     (ex,) = res["exactness"]
     assert ex["n_seq_a"] == 2 * (2 * 2)  # 2 settings x 2 repeats x 2 rows

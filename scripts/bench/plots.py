@@ -20,7 +20,8 @@ def make_plots(cfg, result: dict, out_dir: Path) -> list:
     except ImportError:
         log("matplotlib is not installed (pip install matplotlib): no plots")
         return []
-    spec = [r for r in result["speculative"] if r["k"] != "auto"]  # per-K plots (k=auto: its table)
+    spec = [r for r in result["speculative"] if r["k"] != "auto"]  # per-K plots
+    auto = [r for r in result["speculative"] if r["k"] == "auto"]  # k=auto: a point right of the Ks
     files = []
     label = f"{result['model']['name'][:40]} / draft {result['draft']['spec']}"
 
@@ -28,21 +29,31 @@ def make_plots(cfg, result: dict, out_dir: Path) -> list:
     bs = list(cfg.batch_sizes)
     fig, axes = plt.subplots(1, len(bs), figsize=(5 * len(bs), 4), squeeze=False)
     for ax, b in zip(axes[0], bs):
+        ks = sorted({r["k"] for r in spec if r["batch_size"] == b})
+        x_auto = (max(ks) if ks else 0) + 1
         for m in cfg.methods:
             for t in cfg.temperatures:
                 rows = sorted([r for r in spec if r["batch_size"] == b and r["method"] == m and r["temperature"] == t],
                               key=lambda r: r["k"])
-                if not rows:
+                ra = [r for r in auto if r["batch_size"] == b and r["method"] == m and r["temperature"] == t]
+                if not rows and not ra:
                     continue
                 x = [r["k"] for r in rows]
                 y = [r["speedup"]["median"] for r in rows]
                 lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
                 hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
-                ax.errorbar(x, y, yerr=[lo, hi], marker="o" if m == "token" else "s", capsize=2,
-                            linestyle="-" if m == "token" else "--", label=f"{m} T={t:g}")
+                line = ax.errorbar(x, y, yerr=[lo, hi], marker="o" if m == "token" else "s", capsize=2,
+                                   linestyle="-" if m == "token" else "--", label=f"{m} T={t:g}")
+                for r in ra:  # same colour as its method and temperature's fixed-K line
+                    sp = r["speedup"]
+                    ax.errorbar([x_auto], [sp["median"]], yerr=[[sp["median"] - sp["min"]], [sp["max"] - sp["median"]]],
+                                marker="*", markersize=9, capsize=2, linestyle="none", color=line[0].get_color(),
+                                label=None if rows else f"{m} T={t:g}")
+        if auto and any(r["batch_size"] == b for r in auto):
+            ax.set_xticks(ks + [x_auto], [str(k) for k in ks] + ["auto"])
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"batch {b}")
-        ax.set_xlabel("K (draft tokens per round)")
+        ax.set_xlabel("K (draft tokens per round; auto: k=auto, stars)")
         ax.set_ylabel("speedup over autoregressive")
         ax.legend(fontsize=7)
     fig.suptitle(f"speedup vs K (median, bars min-max)\n{label}", fontsize=9)
