@@ -287,7 +287,8 @@ def _check_k(k) -> None:
 
 
 def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
-                sharding: Optional[MeshPlan] = None, tree: Optional[TreeSpec] = None) -> SpeculativeEngine:
+                sharding: Optional[MeshPlan] = None, tree: Optional[TreeSpec] = None, *,
+                memo: bool = True) -> SpeculativeEngine:
     """The speculative engine for ``target`` and ``draft`` (a model, ``"lookup"``, or a
     proposer), drafting ``k`` tokens (default: the proposer's K, else :data:`DEFAULT_K`);
     ``k="auto"``: adaptive, each round drafts 0..:data:`AUTO_MAX_K` tokens by the measured
@@ -296,27 +297,30 @@ def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
     :class:`TreeSpec()`); ``k`` must then be None (the tree has its own depth).
 
     Memoized (the 8 most recent): the same models and settings give the same engine, so
-    its compiled programs are reused (:func:`clear_engines` drops them)."""
+    its compiled programs are reused (:func:`clear_engines` drops them); ``memo=False``: a
+    new engine the caller owns (its programs go with it, e.g. a benchmark's grid)."""
     _check_method(method)
     if tree is not None and method != "tree":
         raise ValueError(f"a tree spec needs method 'tree', not {method!r}")
     if method == "tree" and not isinstance(draft, Proposer):
         if k is not None:
             raise ValueError(f"method 'tree' takes its depth from the tree spec, not k={k!r}")
-        return _engine(target, draft, None, method, sharding, tree or TreeSpec())
+        return (_engine if memo else _new_engine)(target, draft, None, method, sharding, tree or TreeSpec())
     if k is None:
         k = draft.k if isinstance(draft, Proposer) else DEFAULT_K
     _check_k(k)
-    return _engine(target, draft, k, method, sharding, None)
+    return (_engine if memo else _new_engine)(target, draft, k, method, sharding, None)
 
 
-@functools.lru_cache(maxsize=8)
-def _engine(target, draft, k, method: str, sharding, tree) -> SpeculativeEngine:
+def _new_engine(target, draft, k, method: str, sharding, tree) -> SpeculativeEngine:
     if tree is not None:
         return SpeculativeEngine(target, tree.proposer(draft, target.vocab_size), method, sharding=sharding)
     auto = k == "auto"
     return SpeculativeEngine(target, make_proposer(draft, AUTO_MAX_K if auto else k, target.vocab_size),
                              method, sharding=sharding, adaptive=auto)
+
+
+_engine = functools.lru_cache(maxsize=8)(_new_engine)
 
 
 def make_autoregressive_engine(target, sharding: Optional[MeshPlan] = None) -> AutoregressiveEngine:

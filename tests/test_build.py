@@ -79,6 +79,13 @@ def test_engines_are_memoized_by_models_and_settings(models):
     assert build.make_engine(other, draft, 2, "token") is not a
     assert build.make_autoregressive_engine(target) is build.make_autoregressive_engine(target, None)
     assert build.make_engine(target, draft) is build.make_engine(target, draft, build.DEFAULT_K)
+    # memo=False: a new engine each call, built and checked alike (k="auto": adaptive, AUTO_MAX_K)
+    fresh = build.make_engine(target, draft, "auto", memo=False)
+    assert fresh is not build.make_engine(target, draft, "auto", memo=False)
+    assert fresh is not build.make_engine(target, draft, "auto")
+    assert fresh.adaptive and fresh.k == build.AUTO_MAX_K and not build.make_engine(target, draft, 2, memo=False).adaptive
+    with pytest.raises(ValueError):
+        build.make_engine(target, draft, 0, memo=False)
 
 
 def test_resolve_draft_specs(models):

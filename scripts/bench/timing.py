@@ -20,8 +20,8 @@ import numpy as np
 
 from specjax import audit, sampling
 from specjax.drafts import ProposeContext, make_proposer
-from specjax.build import AUTO_MAX_K, TreeSpec
-from specjax.engine import AutoregressiveEngine, SpeculativeEngine, bucket, cache_len_for
+from specjax.build import AUTO_MAX_K, TreeSpec, make_engine
+from specjax.engine import AutoregressiveEngine, bucket, cache_len_for
 
 from scripts.bench.report import fmt, loadavg, log
 from scripts.bench.stats import predicted_speedup, summarize
@@ -331,16 +331,14 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
                 if k == "auto" and method == "tree":
                     log(f"B={batch} tree: no k=auto (a tree has its own shape)")
                     continue
-                if k == "auto":  # adaptive: 0..AUTO_MAX_K draft tokens a round (build.make_engine(k="auto"))
-                    prop = make_proposer(runner.draft, AUTO_MAX_K, target.vocab_size)
-                elif method == "tree":  # the tree of the draft's kind (EAGLE head, draft model, lookup)
-                    prop = TreeSpec(topk=cfg.tree_topk, depth=k, nodes=cfg.tree_nodes,
-                                    branching=tuple(cfg.tree_branching), candidates=cfg.tree_candidates,
-                                    widths=tuple(cfg.tree_widths),
-                                    sampled_nodes=cfg.tree_sampled_nodes).proposer(runner.draft, target.vocab_size)
-                else:
-                    prop = make_proposer(runner.draft, k, target.vocab_size)
-                eng = SpeculativeEngine(target, prop, method, adaptive=k == "auto")
+                # the tree of the draft's kind (EAGLE head, draft model, lookup), K its depth
+                tree = TreeSpec(topk=cfg.tree_topk, depth=k, nodes=cfg.tree_nodes,
+                                branching=tuple(cfg.tree_branching), candidates=cfg.tree_candidates,
+                                widths=tuple(cfg.tree_widths),
+                                sampled_nodes=cfg.tree_sampled_nodes) if method == "tree" else None
+                # k="auto": adaptive, 0..AUTO_MAX_K draft tokens a round; not memoized (the
+                # group's engines and their programs are dropped after it)
+                eng = make_engine(target, runner.draft, None if tree else k, method, tree=tree, memo=False)
                 t0 = time.perf_counter()
                 first = runner.warm(eng, batch)  # k=auto: its round costs are measured (or read) here
                 engines[method] = (eng, first, time.perf_counter() - t0, mi)
