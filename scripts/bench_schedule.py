@@ -40,6 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scripts.bench.config import DATASET_PROMPTS, build_dataset_prompts, read_prompts  # noqa: E402
 from scripts.bench.dataset import MODES, SETTINGS, DatasetSpec, markdown, run_dataset  # noqa: E402
 from specjax import build, sampling  # noqa: E402
 from specjax.engine import cost_file, resolve_batch_hints  # noqa: E402
@@ -47,10 +48,6 @@ from specjax.engine import cost_file, resolve_batch_hints  # noqa: E402
 
 def _csv(typ):
     return lambda s: tuple(typ(x) for x in s.split(",") if x.strip())
-
-
-def _read(path):
-    return [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
 
 
 def _timed(fn):
@@ -61,7 +58,7 @@ def _timed(fn):
 
 def grid(a, target, draft, tok, lines):
     rows = []
-    prompts_all = [tok.encode_user(t) for t in _read(REPO / "configs/bench/prompts.txt")]
+    prompts_all = [tok.encode_user(t) for t in read_prompts("configs/bench/prompts.txt")]
     for b in a.batches:
         ids = [prompts_all[i % len(prompts_all)] for i in range(b)]
         engines = {"autoregressive": build.make_autoregressive_engine(target)}
@@ -150,8 +147,8 @@ def main():
     if not a.skip_grid:
         out["grid"] = grid(a, target, draft, tok, lines)
     if not a.skip_dataset:
-        ids = [tok.encode_user(t) for t in _read(REPO / "configs/bench/dataset_prompts.txt")[: a.dataset_prompts]]
-        out["dataset"] = run_dataset(spec, target, draft, ids, list(tok.stop_ids))
+        ids, stop = build_dataset_prompts(DATASET_PROMPTS, a.dataset_prompts, tok, target.vocab_size)
+        out["dataset"] = run_dataset(spec, target, draft, ids, stop)
     md = lines + [""]
     if out["grid"]:
         md += ["| batch | T | setting | s (median) | tok/s | speedup | tok/round | rounds by draft tokens | branches entered |",

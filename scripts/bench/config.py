@@ -218,14 +218,26 @@ def read_prompts(path: str) -> list:
     return [ln for ln in lines if ln and not ln.startswith("#")]
 
 
+def _random_prompts(num_prompts: int, vocab_size: int) -> tuple:
+    """``(texts, ids)``: fixed pseudo-random token ids (lengths 6..20), some n-grams repeated."""
+    rng = np.random.default_rng(1234)
+    texts, ids = [], []
+    for i in range(num_prompts):
+        n = int(rng.integers(6, 21))
+        base = rng.integers(0, vocab_size, size=max(3, n // 2)).tolist()
+        row = (base * 3)[:n]
+        texts.append(f"<random ids #{i}>")
+        ids.append([int(t) for t in row])
+    return texts, ids
+
+
 def build_dataset_prompts(prompts_file: str, num_prompts: int, tokenizer, vocab_size: int) -> tuple:
     """The dataset workload's prompt ids and stop tokens: the file's first ``num_prompts``
     lines in the chat template and the tokenizer's stop ids; without a tokenizer (a random
     model) random prompts as :func:`build_prompts` makes them, with the even ids standing in
     for stop tokens (ragged natural lengths)."""
     if tokenizer is None:
-        cfg = BenchConfig(num_prompts=num_prompts, batch_sizes=(1,), ks=(1,))
-        return build_prompts(cfg, None, vocab_size)[1], list(range(0, vocab_size, 2))
+        return _random_prompts(num_prompts, vocab_size)[1], list(range(0, vocab_size, 2))
     texts = read_prompts(prompts_file)[:num_prompts]
     if not texts:
         raise ValueError(f"{prompts_file}: no prompts")
@@ -238,15 +250,7 @@ def build_prompts(cfg: BenchConfig, tokenizer, vocab_size: int) -> tuple:
     Without a tokenizer (``--model tiny``) the prompts are fixed pseudo-random token ids
     (lengths 6..20) with some repeated n-grams so prompt lookup has something to find."""
     if tokenizer is None:
-        rng = np.random.default_rng(1234)
-        texts, ids = [], []
-        for i in range(cfg.num_prompts):
-            n = int(rng.integers(6, 21))
-            base = rng.integers(0, vocab_size, size=max(3, n // 2)).tolist()
-            row = (base * 3)[:n]
-            texts.append(f"<random ids #{i}>")
-            ids.append([int(t) for t in row])
-        return texts, ids
+        return _random_prompts(cfg.num_prompts, vocab_size)
     texts = read_prompts(cfg.prompts_file)
     if not texts:
         raise ValueError(f"{cfg.prompts_file}: no prompts")
