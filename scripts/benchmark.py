@@ -18,9 +18,10 @@ Conventions: stop tokens are off (every row produces exactly ``max_new_tokens``,
 peer with EOS disabled); a "pass" runs the batch size's prompt rows once; each engine is
 warmed up (compiled) on its first batch before any timed pass, and compile time is
 reported as first call minus the median steady call of that batch; every timed figure is
-the median of ``repeats`` passes with min / max / IQR; the autoregressive baseline of a
-batch size is timed before AND after its speculative settings (the drift is reported) and
-the speedups use the median of both. Repeat r of a sampled setting uses seed ``seed + r``
+the median of ``repeats`` passes with min / max / IQR; the autoregressive engine runs a
+pass beside every repeat of every group of settings (one K, all methods; the order
+rotated each repeat), a setting's speedup is taken per repeat over that pass, and the
+drift of the autoregressive passes from the first group to the last is reported. Repeat r of a sampled setting uses seed ``seed + r``
 (rows keyed by their index), so repeats are distinct samples for the exactness check.
 
 Outputs (``--out``, default ``out/bench``): ``benchmark.json`` (every figure + machine),

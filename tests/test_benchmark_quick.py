@@ -49,6 +49,7 @@ def test_benchmark_quick_tiny(tmp_path):
     (ar,) = res["autoregressive"]
     assert ar["batch_size"] == 1 and _finite(ar["tokens_per_s"]["median"]) and _finite(ar["compile_s"])
     assert ar["tokens_per_s"]["min"] <= ar["tokens_per_s"]["median"] <= ar["tokens_per_s"]["max"]
+    assert ar["groups"] == [0, 0] and _finite(ar["drift_last_over_first"])  # one pass per repeat of the K=2 group
 
     spec = res["speculative"]
     assert {(r["method"], r["k"]) for r in spec} == {("token", 2), ("block", 2)}
@@ -57,6 +58,9 @@ def test_benchmark_quick_tiny(tmp_path):
         for key in ("tokens_per_s", "speedup"):
             assert _finite(r[key]["median"]) and r[key]["n"] == 2
         assert _finite(r["mean_alpha"]) and 0.0 <= r["mean_alpha"] <= 1.0
+        # the speedup is taken per repeat, over the autoregressive pass beside it
+        ratios = sorted(x / y for x, y in zip(r["tokens_per_s_passes"], r["ar_tokens_per_s_passes"], strict=True))
+        assert math.isclose(r["speedup"]["min"], ratios[0]) and math.isclose(r["speedup"]["max"], ratios[-1])
         assert len(r["acceptance_per_position"]) == 2 and len(r["reached_per_position"]) == 2
         assert r["tokens_per_round"] >= 1.0 and _finite(r["tokens_per_round_batch"])
         assert _finite(r["c"]) and _finite(r["verify_ratio"]) and _finite(r["compile_s"])

@@ -132,10 +132,10 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
              + ", ".join(f"{b}: {cfg.rows_for(b)}" for b in cfg.batch_sizes)
              + f"; {cfg.repeats} timed passes per setting, figures are median [min–max] over passes; compile time "
              f"excluded (reported separately); dtype {cfg.param_dtype}/{cfg.compute_dtype}. Against load drift, per "
-             "batch size the settings run in groups of one K (all methods compiled first, then their passes "
-             "interleaved), with autoregressive passes and a retime of the model steps between groups "
-             f"({cfg.repeats} passes per temperature before the first and after the last group, 1 in between); "
-             "a setting's speedup is over the autoregressive passes around its group.")
+             "batch size the settings run in groups of one K (all methods compiled first, the model steps "
+             "retimed), whose passes interleave the autoregressive engine and the group's methods (for T: for "
+             "repeat: for engine, the order rotated each repeat); a setting's speedup is taken per repeat over "
+             "the autoregressive pass of the same group, T and repeat, then summarized.")
     L.append("")
 
     # autoregressive
@@ -144,7 +144,7 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
     L.append("Decode-only = wall minus one bare target prefill (forward over the padded prompt) per generate call; "
              "engine/bare = the engine's decode time per step over a bare jitted 1-token target step.")
     L.append("")
-    L.append("| batch | T | tok/s | decode tok/s | drift (last/first bracket) | ms/step (with prefill) | decode ms/step | "
+    L.append("| batch | T | tok/s | decode tok/s | drift (last/first group) | ms/step (with prefill) | decode ms/step | "
              "engine / bare step | compile s |")
     L.append("|---|---|---|---|---|---|---|---|---|")
     for r in result["autoregressive"]:
@@ -176,8 +176,8 @@ def render_markdown(cfg, result: dict, plot_links: list) -> str:
     # speculative tables
     L.append("### Speculative decoding")
     L.append("")
-    L.append("speedup = tok/s over the autoregressive passes (same batch size and temperature) timed just before "
-             "and after the setting's group; "
+    L.append("speedup = tok/s over the autoregressive pass of the same group, temperature and repeat (seconds "
+             "apart), median [min–max] over repeats; "
              "decode speedup = the same with one bare prefill per call subtracted from both (the predictions are "
              "decode-only, so ach/pred uses it). "
              "α = mean exact overlap Σ min(p, q) at the reached draft positions; tok/round per row, and per batch "
@@ -331,7 +331,7 @@ def auto_section(spec_rows) -> list:
         return []
     L = ["### k=auto against autoregressive decoding and the best fixed K", "",
          "k=auto drafts 0 to K tokens a round (0: a plain autoregressive step) by round costs measured on this "
-         "machine and the acceptance of earlier rounds; its speedup is over the autoregressive passes around its "
+         "machine and the acceptance of earlier rounds; its speedup is over the autoregressive passes of its "
          "group, like every row's. best fixed K: the fastest fixed K of the grid at the same batch size, method and "
          "temperature (a choice made after the fact, which k=auto has to make online).", "",
          "| batch | T | method | k=auto speedup | best fixed K: speedup | k=auto / best fixed | "

@@ -4,8 +4,9 @@ and the exactness check.
 * :class:`StepTimer`: per-step costs at one batch size in jitted loops (c, v_K);
 * :class:`Runner`: warm-up and timed passes of an engine over a batch size's prompt rows
   (keeps the token samples for the exactness check);
-* :func:`run_specjax`: every K / method / temperature of every batch size, bracketed by
-  autoregressive passes, with speedups and the analytic predictions;
+* :func:`run_specjax`: every K / method / temperature of every batch size, each pass beside
+  an autoregressive pass of the same group and repeat, with speedups and the analytic
+  predictions;
 * :func:`exactness`: speculative vs autoregressive token samples (``specjax.audit``).
 """
 from __future__ import annotations
@@ -288,15 +289,15 @@ def merge_spec_passes(passes: list) -> dict:
 
 
 def run_specjax(cfg, runner: Runner, make_timer) -> dict:
-    """All settings of all batch sizes. Per batch size, in time order::
+    """All settings of all batch sizes. Per batch size, in time order, one group per K::
 
-        AR bracket 0 (repeats passes per T) | group K_1 | AR bracket 1 (1 pass per T) | group K_2 | ...
-        ... | group K_n | AR bracket n (repeats passes per T)
+        group K_1: compile its engines | retime the model steps | passes | group K_2: ...
 
-    Every AR bracket also retimes the model steps. In a group, the engines of all methods
-    are compiled first, then the timed passes interleave the methods (for T: for repeat:
-    for method), so block vs token is measured side by side. A setting's speedup uses
-    the AR passes of the two brackets around its group (its local baseline)."""
+    In a group the passes run ``for T: for repeat: for engine``, the engines being the
+    autoregressive one and the group's methods, their order rotated by one each repeat
+    (each takes every place in turn). A setting's speedup is taken per repeat, over the
+    autoregressive pass of the same T and repeat (seconds apart), then summarized: the
+    machine's drift over the minutes between groups, or between repeats, cancels."""
     target = runner.target
     ar_rows, spec_rows, step_costs = [], [], {}
     for batch in cfg.batch_sizes:
@@ -311,19 +312,9 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
         t0 = time.perf_counter()
         ar_first = runner.warm(ar, batch)
         log(f"B={batch} autoregressive compiled+warm in {time.perf_counter() - t0:.1f}s")
-        ar_passes = collections.defaultdict(list)  # temp -> [(bracket, pass)]
-        brackets_rt = []
-        n_ar = [0]
-
-        def bracket(bi, nrep):
-            for temp in cfg.temperatures:
-                for _ in range(nrep):
-                    p = runner.one_pass(ar, batch, temp, cfg.seed + n_ar[0], False, "ar")
-                    n_ar[0] += 1
-                    ar_passes[temp].append((bi, p))
-            brackets_rt.append(timer.retime())
-
-        bracket(0, cfg.repeats)
+        ar_passes = collections.defaultdict(list)  # temp -> [(group, repeat, pass)]
+        group_rt = {}  # group -> the model steps retimed before its passes
+        n_ar = 0
         settings = {}
         for gi, k in enumerate(ks):
             engines = {}
@@ -346,15 +337,22 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
                     log(f"B={batch} {method} k=auto round costs (ms, drafting 0..{AUTO_MAX_K} tokens): "
                         + ", ".join(f"{1e3 * c:.1f}" for c in eng.costs_for(batch)))
             if not engines:
-                bracket(gi + 1, cfg.repeats if gi == len(ks) - 1 else 1)
                 continue
+            group_rt[gi] = timer.retime()
+            order = [None, *engines]  # None: the autoregressive engine
             for temp in cfg.temperatures:
                 for rep in range(cfg.repeats):
-                    for method, (eng, _, _, mi) in engines.items():
+                    for name in order[rep % len(order):] + order[:rep % len(order)]:
+                        if name is None:
+                            p = runner.one_pass(ar, batch, temp, cfg.seed + n_ar, False, "ar")
+                            n_ar += 1
+                            ar_passes[temp].append((gi, rep, p))
+                            continue
+                        eng, _, _, mi = engines[name]
                         # every (method, K, repeat) has its own seed: independent sequences
                         seed = cfg.seed + 1000 * (1 + 100 * mi + gi) + rep
-                        p = runner.one_pass(eng, batch, temp, seed, True, method, k)
-                        settings.setdefault((method, k, temp), {"group": gi, "passes": []})["passes"].append(p)
+                        p = runner.one_pass(eng, batch, temp, seed, True, name, k)
+                        settings.setdefault((name, k, temp), {"group": gi, "passes": []})["passes"].append(p)
             for method, (eng, first, wt, _) in engines.items():
                 for temp in cfg.temperatures:
                     st = settings[(method, k, temp)]
@@ -370,38 +368,43 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
                     log(f"B={batch} {method:5s} K={k} T={temp}: {statistics.median(r['tokens_per_s_passes']):7.1f} tok/s"
                         f"  alpha={fmt(r['mean_alpha'], 3)}  tok/round={r['tokens_per_round']:.2f}")
             del engines
-            bracket(gi + 1, cfg.repeats if gi == len(ks) - 1 else 1)
+        if not group_rt:  # no group had an engine: the autoregressive passes alone
+            group_rt[0] = timer.retime()
+            for temp in cfg.temperatures:
+                for rep in range(cfg.repeats):
+                    ar_passes[temp].append((0, rep, runner.one_pass(ar, batch, temp, cfg.seed + n_ar, False, "ar")))
+                    n_ar += 1
         del ar
 
         sc = timer.summary()
-        # autoregressive rows: all passes of all brackets
-        base_local = {}
+        groups = sorted(group_rt)
+        # autoregressive rows: all passes of all groups
         for temp in cfg.temperatures:
-            ps = [p for _, p in ar_passes[temp]]
+            ps = [p for _, _, p in ar_passes[temp]]
             tps = [p["tokens_per_s"] for p in ps]
-            first_b = [p["tokens_per_s"] for bi, p in ar_passes[temp] if bi == 0]
-            last_b = [p["tokens_per_s"] for bi, p in ar_passes[temp] if bi == len(ks)]
-            # decode only: minus one bare prefill per call, the prefill of the bracket's retime
+            first_g = [p["tokens_per_s"] for g, _, p in ar_passes[temp] if g == groups[0]]
+            last_g = [p["tokens_per_s"] for g, _, p in ar_passes[temp] if g == groups[-1]]
+            # decode only: minus one bare prefill per call, the prefill of the group's retime
             dec_walls, dec_tps, eng_ratio = [], [], []
-            for bi, p in ar_passes[temp]:
-                rt = brackets_rt[bi]
-                w = max(p["wall_s"] - p["calls"] * rt["t_prefill_ms"] / 1e3, 1e-9)
+            for g, _, p in ar_passes[temp]:
+                grt = group_rt[g]
+                w = max(p["wall_s"] - p["calls"] * grt["t_prefill_ms"] / 1e3, 1e-9)
                 dec_walls.append(w)
                 dec_tps.append(p["tokens"] / w)
-                eng_ratio.append(1e3 * w / p["loop_iters"] / rt["t_target_ms"][1])
+                eng_ratio.append(1e3 * w / p["loop_iters"] / grt["t_target_ms"][1])
             steps = ps[0]["loop_iters"]
             row = {
                 "batch_size": batch, "temperature": temp,
                 "tokens_per_s": summarize(tps),
                 "decode_tokens_per_s": summarize(dec_tps),
-                "tokens_per_s_first_bracket": summarize(first_b),
-                "tokens_per_s_last_bracket": summarize(last_b),
-                "drift_last_over_first": statistics.median(last_b) / statistics.median(first_b),
+                "tokens_per_s_first_group": summarize(first_g),
+                "tokens_per_s_last_group": summarize(last_g),
+                "drift_last_over_first": statistics.median(last_g) / statistics.median(first_g),
                 "walls_s": [p["wall_s"] for p in ps], "tokens": [p["tokens"] for p in ps],
-                "brackets": [bi for bi, _ in ar_passes[temp]],
+                "groups": [g for g, _, _ in ar_passes[temp]],
                 "ms_per_step": 1e3 * statistics.median(p["wall_s"] for p in ps) / steps,
                 "decode_ms_per_step": 1e3 * statistics.median(dec_walls) / steps,
-                # engine decode time per step over the bare jitted 1-token target step (per bracket)
+                # engine decode time per step over the bare jitted 1-token target step (per group)
                 "engine_over_bare_step": statistics.median(eng_ratio),
                 "compile_s": max(ar_first - statistics.median(p["first_call_s"] for p in ps), 0.0)
                 if temp == cfg.temperatures[0] else None,
@@ -409,28 +412,28 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
             }
             ar_rows.append(row)
             log(f"B={batch} autoregressive T={temp}: {row['tokens_per_s']['median']:.1f} tok/s "
-                f"(drift last/first bracket {row['drift_last_over_first']:.2f}, engine/bare step "
+                f"(drift last/first group {row['drift_last_over_first']:.2f}, engine/bare step "
                 f"{row['engine_over_bare_step']:.2f})")
-            for bi in range(len(ks) + 1):
-                base_local[(temp, bi)] = [(p["tokens_per_s"], p) for b2, p in ar_passes[temp] if b2 == bi]
 
-        # speedups (local baseline) and predictions
+        # speedups: each pass over the autoregressive pass of its group, T and repeat
         for (method, k, temp), st in settings.items():
             r = st["row"]
             gi = st["group"]
-            around = base_local[(temp, gi)] + base_local[(temp, gi + 1)]
-            base = statistics.median(x for x, _ in around)
-            rts = [brackets_rt[gi], brackets_rt[gi + 1]]
-            pre = statistics.mean(rt["t_prefill_ms"] + rt.get("t_draft_prefill_ms", 0.0) for rt in rts) / 1e3
-            pre_ar = statistics.mean(rt["t_prefill_ms"] for rt in rts) / 1e3
-            dbase = statistics.median(p["tokens"] / max(p["wall_s"] - p["calls"] * pre_ar, 1e-9) for _, p in around)
+            base_ps = [p for g, _, p in sorted(((g, rep, p) for g, rep, p in ar_passes[temp] if g == gi),
+                                                key=lambda x: x[1])]
+            grt = group_rt[gi]
+            pre = (grt["t_prefill_ms"] + grt.get("t_draft_prefill_ms", 0.0)) / 1e3
+            pre_ar = grt["t_prefill_ms"] / 1e3
             tps = r["tokens_per_s_passes"]
             dtps = [n / max(w - r["calls_per_pass"] * pre, 1e-9) for n, w in zip(r["tokens"], r["walls_s"])]
-            r["ar_baseline_tokens_per_s"] = base
+            base = [p["tokens_per_s"] for p in base_ps]
+            dbase = [p["tokens"] / max(p["wall_s"] - p["calls"] * pre_ar, 1e-9) for p in base_ps]
+            r["ar_baseline_tokens_per_s"] = statistics.median(base)
+            r["ar_tokens_per_s_passes"] = base
             r["tokens_per_s"] = summarize(tps)
-            r["speedup"] = summarize([x / base for x in tps])
+            r["speedup"] = summarize([x / y for x, y in zip(tps, base, strict=True)])
             r["decode_tokens_per_s"] = summarize(dtps)
-            r["decode_speedup"] = summarize([x / dbase for x in dtps])
+            r["decode_speedup"] = summarize([x / y for x, y in zip(dtps, dbase, strict=True)])
             a = r["mean_alpha"]
             if k == "auto":  # K changes from round to round: no closed-form prediction
                 r.update(c=None, c_propose=None, verify_ratio=None, predicted_speedup={},
