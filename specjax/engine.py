@@ -482,7 +482,11 @@ class AutoState:
 
 
 AUTO_PRIOR = 0.5  # acceptance assumed at a draft position before any evidence ...
-AUTO_PRIOR_WEIGHT = 2.0  # ... worth this many observations (later positions: the one before)
+AUTO_PRIOR_WEIGHT = 8.0  # ... worth this many observations (later positions: the one before);
+# the shipped head's acceptance varies little between texts (first position, 64 prompts of
+# two independently written sets: 0.05-0.10 between prompts), so a prior worth 2 let one or
+# two early rejections stop drafting for the rest of a short call (a probe comes only after
+# 32+ plain rounds): k=auto made plain rounds 40-60% of the time at batch 1 where K=1 paid
 AUTO_DECAY = 0.95  # evidence from older rounds fades (the text changes)
 AUTO_PROBE = 32  # after this many plain rounds in a row, one round drafts (fresh evidence) ...
 AUTO_PROBE_MAX = 256  # ... and after each probe that leaves drafting unpaid, twice as many

@@ -127,6 +127,26 @@ def test_the_rule_drafts_when_it_pays_and_not_when_it_does_not():
     assert int(engine.choose_k(engine.AutoState.zeros(3), [1.0, np.inf, 1.0, np.inf])) == 2  # inf: never
 
 
+def test_early_rejections_do_not_stop_drafting_but_a_run_of_them_does():
+    """Batch 1, a j=1 round 1.34 plain rounds (2 Intel cores): a call's first rejections
+    weigh against the prior's 0.5 (worth AUTO_PRIOR_WEIGHT = 8 observations), so two of
+    them leave drafting on (a prior worth 2, the mutant, turned it off after one, for the
+    next 32+ rounds, most of a short call), while a run of rejections turns it off."""
+    costs = [1.0, 1.34, 1.75, 2.2]
+    one = jnp.ones((1,), jnp.int32)
+    st = engine.AutoState.zeros(3)
+    assert int(engine.choose_k(st, costs, jnp.asarray([48]))) == 1  # the prior alone: draft
+    js = []
+    for _ in range(12):  # every first draft rejected
+        st = st.drafted(1, one > 0, one, 0 * one)
+        js.append(int(engine.choose_k(st, costs, jnp.asarray([48]))))
+    assert js[:2] == [1, 1], js
+    assert js[-1] == 0 and js.index(0) >= 2, js
+    with mock.patch.object(engine, "AUTO_PRIOR_WEIGHT", 2.0):
+        assert int(engine.choose_k(engine.AutoState.zeros(3).drafted(1, one > 0, one, 0 * one), costs,
+                                   jnp.asarray([48]))) == 0
+
+
 def test_the_probe_interval_doubles_while_probes_do_not_pay():
     """Unpaid probes come after 32, 64, 128, 256, 256 ... plain rounds (a probe is 1-2
     steps of overhead where drafting does not pay, e.g. at batch 16 on CPU); when the rule
