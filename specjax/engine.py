@@ -576,7 +576,7 @@ def choose_k(auto: AutoState, costs, remaining=None, tail=True) -> jax.Array:
     best_spec = (1 + jnp.argmax(score[1:])).astype(jnp.int32)
     # a probe costs x = costs[j] / costs[0] - 1 plain rounds more than a plain round: at
     # least x / AUTO_PROBE_SHARE plain rounds between probes keep them under that share
-    # of the time (a batch-16 probe on 2 CPU cores costs ~0.8 plain rounds; at batch 1 ~0.1)
+    # of the time (a batch-16 probe on 2 CPU cores costs ~0.8 plain rounds; at batch 1 0.23-0.34)
     extra = jnp.where(jnp.isfinite(c[best_spec]), c[best_spec] / c[0] - 1.0, 0.0)
     gap = jnp.maximum(auto.gap, jnp.ceil(extra * (1.0 / AUTO_PROBE_SHARE)).astype(jnp.int32))
     probe = (best == 0) & (auto.since >= gap) & (jnp.max(score[1:]) > 0)
