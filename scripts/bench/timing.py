@@ -314,8 +314,12 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
         log(f"B={batch} autoregressive compiled+warm in {time.perf_counter() - t0:.1f}s")
         ar_passes = collections.defaultdict(list)  # temp -> [(group, repeat, pass)]
         group_rt = {}  # group -> the model steps retimed before its passes
-        n_ar = 0
         settings = {}
+
+        def ar_pass(gi, rep, temp):  # every autoregressive pass has its own seed
+            n = sum(len(v) for v in ar_passes.values())
+            ar_passes[temp].append((gi, rep, runner.one_pass(ar, batch, temp, cfg.seed + n, False, "ar")))
+
         for gi, k in enumerate(ks):
             engines = {}
             for mi, method in enumerate(cfg.methods):
@@ -344,9 +348,7 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
                 for rep in range(cfg.repeats):
                     for name in order[rep % len(order):] + order[:rep % len(order)]:
                         if name is None:
-                            p = runner.one_pass(ar, batch, temp, cfg.seed + n_ar, False, "ar")
-                            n_ar += 1
-                            ar_passes[temp].append((gi, rep, p))
+                            ar_pass(gi, rep, temp)
                             continue
                         eng, _, _, mi = engines[name]
                         # every (method, K, repeat) has its own seed: independent sequences
@@ -372,8 +374,7 @@ def run_specjax(cfg, runner: Runner, make_timer) -> dict:
             group_rt[0] = timer.retime()
             for temp in cfg.temperatures:
                 for rep in range(cfg.repeats):
-                    ar_passes[temp].append((0, rep, runner.one_pass(ar, batch, temp, cfg.seed + n_ar, False, "ar")))
-                    n_ar += 1
+                    ar_pass(0, rep, temp)
         del ar
 
         sc = timer.summary()
