@@ -473,10 +473,9 @@ def test_branches_entered_are_counted(target, draft):
     out = runs.generate([PROMPT], **cfg)
     rounds = int(out.raw["iterations"])
     assert rounds > 6 and int(out.raw["switches"]) == -(-rounds // 3), (rounds, out.raw["switches"])
-    for j in range(K + 1):
-        forced = [1.0 if i == j else np.inf for i in range(K + 1)]
-        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True,
-                                       costs={1: forced})
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+    for j in range(K + 1):  # one engine, one program: the costs are its argument
+        eng.set_costs(1, [1.0 if i == j else np.inf for i in range(K + 1)])
         out = eng.generate([PROMPT], **cfg)
         assert int(out.raw["switches"]) == 1 and out.raw["k_rounds"][j] == out.raw["iterations"], j
     fixed = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token")
