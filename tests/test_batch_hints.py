@@ -80,12 +80,17 @@ def _engines(kind, target, draft, hints):
 SUBSETS = {"token": CONFIGS, "autoregressive": CONFIGS, "tree": ("greedy", "topk1"), "auto": ("topk1",)}
 
 
+# the calls of these tests, and the programs whose conditionals are counted: the same
+# arguments, so that counting compiles nothing new (the suite's compilation cache)
+RUN = dict(seed=3, max_new_tokens=12, stop_tokens=[0])
+
+
 @pytest.mark.parametrize("kind", list(SUBSETS))
 def test_same_outputs_with_and_without_hints(target, draft, kind):
     off, on = (_engines(kind, target, draft, h) for h in (False, True))
     for name in SUBSETS[kind]:
         cfg = CONFIGS[name]
-        kw = dict(seed=3, sampling_params=cfg, max_new_tokens=12, stop_tokens=[0])
+        kw = dict(RUN, sampling_params=cfg)
         a, b = off.generate(PROMPTS, **kw), on.generate(PROMPTS, **kw)
         assert a.tokens == b.tokens, name
         assert a.raw.keys() == b.raw.keys()
@@ -93,8 +98,9 @@ def test_same_outputs_with_and_without_hints(target, draft, kind):
             np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{name}: {key}")
 
 
-def _conditionals(eng, cfg):
-    txt = eng.lower(PROMPTS, seed=0, sampling_params=cfg, max_new_tokens=8).compile().as_text()
+def _conditionals(eng, cfg, run=RUN):
+    """Conditionals in the compiled program of ``eng`` for the call ``run`` with ``cfg``."""
+    txt = eng.lower(PROMPTS, sampling_params=cfg, **run).compile().as_text()
     return len(re.findall(r"\bconditional\(", txt))
 
 
@@ -149,8 +155,9 @@ def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch)
         jax.clear_caches()  # the form is read when a program is traced
         for kind in ("autoregressive", "token"):
             eng = _engines(kind, target, draft, True)
-            runs[fixed, kind] = eng.generate(PROMPTS, seed=4, sampling_params=cfg, max_new_tokens=10)
-            conds[fixed, kind] = _conditionals(eng, cfg)
+            run = dict(seed=4, max_new_tokens=10)
+            runs[fixed, kind] = eng.generate(PROMPTS, sampling_params=cfg, **run)
+            conds[fixed, kind] = _conditionals(eng, cfg, run)
     jax.clear_caches()
     for kind in ("autoregressive", "token"):
         a, b = runs["0", kind], runs["1", kind]
@@ -168,15 +175,15 @@ def test_sync_free_settles_mixed_rows_without_conditionals(target, draft, monkey
     import jax
 
     cfg = CONFIGS["mixed"]
-    kw = dict(seed=5, sampling_params=cfg, max_new_tokens=12, stop_tokens=[0])
+    run = dict(RUN, seed=5)
     for kind in ("autoregressive", "token", "tree"):
         outs, conds = {}, {}
         for free in ("0", "1"):
             monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
             jax.clear_caches()  # the form is read when a program is traced
             eng = _engines(kind, target, draft, True)
-            outs[free] = eng.generate(PROMPTS, **kw)
-            conds[free] = _conditionals(eng, cfg)
+            outs[free] = eng.generate(PROMPTS, sampling_params=cfg, **run)
+            conds[free] = _conditionals(eng, cfg, run)
         a, b = outs["0"], outs["1"]
         assert a.tokens == b.tokens, kind
         for key in a.raw.keys() - {"proposer_state"}:
