@@ -1,6 +1,7 @@
-"""The benchmark's k=auto rows (issue 15): ``--ks auto`` in scripts/benchmark.py on the
-tiny random model, and the K grid's parsing. Its own file, so that pytest-xdist can run it
-beside test_benchmark_quick.py (k=auto measures its round costs first: ~30 s)."""
+"""The benchmark's k=auto rows and its dataset workload (issue 15): one run of
+scripts/benchmark.py on the tiny random model, and the K grid's parsing. Its own file, so
+that pytest-xdist can run it beside test_benchmark_quick.py (k=auto measures its round
+costs first)."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,16 +24,44 @@ def _finite(x):
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-@pytest.mark.slow
-def test_benchmark_times_k_auto(tmp_path):
-    out = tmp_path / "bench"
+# One benchmark run for both tests below (a process, a model and a grid fewer): configs/bench/
+# quick.yaml on the tiny model with the prompt-lookup draft, K = 2 and auto, and a dataset block
+_RUN = """model: tiny
+draft: lookup
+max_new_tokens: 32
+num_prompts: 2
+temperatures: [1.0]
+methods: [token]
+batch_sizes: [1]
+ks: [auto, 2]
+rows_by_batch: {1: 2}
+repeats: 2
+step_repeats: 5
+peer: false
+markdown: null
+publish_dir: null
+dataset: {num_prompts: 10, batch: 4, max_new_tokens: 12, settings: [ar, k], k: 2, modes: [fixed, all, tail],
+          repeats: 2}
+"""
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """(benchmark.json, the output folder) of the run, or the failed run's output."""
+    tmp = tmp_path_factory.mktemp("bench_auto")
+    (tmp / "auto.yaml").write_text(_RUN)
+    out = tmp / "bench"
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-               SPECJAX_CACHE_DIR=str(tmp_path / "cache"))  # its round costs measured here
-    cmd = [sys.executable, str(BENCH), "--quick", "--model", "tiny", "--draft", "lookup", "--ks", "auto,2",
-           "--methods", "token", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+               SPECJAX_CACHE_DIR=str(tmp / "cache"))  # its round costs measured here
+    proc = subprocess.run([sys.executable, str(BENCH), "--config", str(tmp / "auto.yaml"), "--out", str(out)],
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((out / "benchmark.json").read_text())
+    return json.loads((out / "benchmark.json").read_text()), out
+
+
+@pytest.mark.slow
+def test_benchmark_times_k_auto(auto_run):
+    res, out = auto_run
     spec = {r["k"]: r for r in res["speculative"]}
     assert set(spec) == {2, "auto"}
     r = spec["auto"]
@@ -81,21 +110,12 @@ def test_benchmark_refuses_a_bad_grid_in_one_line(argv, msg, tmp_path):
 
 
 @pytest.mark.slow
-def test_benchmark_dataset_workload(tmp_path):
+def test_benchmark_dataset_workload(auto_run):
     """A config's ``dataset`` block runs the dataset workload after the grid: fixed batches
     and continuous batching by the same engines, with the same tokens (autoregressive and
     fixed K must give them), ragged natural lengths, and its table in the report."""
-    cfg = tmp_path / "ds.yaml"
-    cfg.write_text("model: tiny\ndraft: lookup\nmax_new_tokens: 8\nnum_prompts: 2\ntemperatures: [1.0]\n"
-                   "methods: [token]\nbatch_sizes: [1]\nks: [2]\nrepeats: 1\nstep_repeats: 2\npeer: false\n"
-                   "plots: false\ndataset: {num_prompts: 10, batch: 4, max_new_tokens: 12, settings: [ar, k], "
-                   "k: 2, modes: [fixed, all, tail], repeats: 2}\n")
-    out = tmp_path / "bench"
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run([sys.executable, str(BENCH), "--config", str(cfg), "--out", str(out)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ds = json.loads((out / "benchmark.json").read_text())["dataset"]
+    res, out = auto_run
+    ds = res["dataset"]
     assert ds["num_prompts"] == 10 and ds["spec"]["batch"] == 4
     rows = {(r["setting"], r["mode"]): r for r in ds["rows"]}
     assert set(rows) == {(s, m) for s in ("autoregressive", "K=2")
