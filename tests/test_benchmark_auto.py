@@ -24,32 +24,22 @@ def _finite(x):
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-# One benchmark run for both tests below (a process, a model and a grid fewer): configs/bench/
-# quick.yaml on the tiny model with the prompt-lookup draft, K = 2 and auto, and a dataset block
-_RUN = """model: tiny
-draft: lookup
-max_new_tokens: 32
-num_prompts: 2
-temperatures: [1.0]
-methods: [token]
-batch_sizes: [1]
-ks: [auto, 2]
-rows_by_batch: {1: 2}
-repeats: 2
-step_repeats: 5
-peer: false
-markdown: null
-publish_dir: null
-dataset: {num_prompts: 10, batch: 4, max_new_tokens: 12, settings: [ar, k], k: 2, modes: [fixed, all, tail],
-          repeats: 2}
-"""
+# One benchmark run for both tests below (a process, a model and a grid fewer): the quick config
+# (configs/bench/quick.yaml) on the tiny model with the prompt-lookup draft and K = 2 and auto,
+# plus a dataset block
+_DATASET = {"num_prompts": 10, "batch": 4, "max_new_tokens": 12, "settings": ["ar", "k"], "k": 2,
+            "modes": ["fixed", "all", "tail"], "repeats": 2}
 
 
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory):
-    """(benchmark.json, the output folder) of the run, or the failed run's output."""
+    """(benchmark.json, the output folder) of the run; the run's output if it fails."""
+    import yaml
+
     tmp = tmp_path_factory.mktemp("bench_auto")
-    (tmp / "auto.yaml").write_text(_RUN)
+    cfg = yaml.safe_load((REPO / "configs" / "bench" / "quick.yaml").read_text())
+    cfg.update(model="tiny", draft="lookup", ks=["auto", 2], dataset=_DATASET)
+    (tmp / "auto.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp / "bench"
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                SPECJAX_CACHE_DIR=str(tmp / "cache"))  # its round costs measured here
