@@ -359,8 +359,10 @@ def test_a_run_that_never_drafts_never_runs_the_eagle_head():
     for i in range(2):
         m = lens[i] - 1
         np.testing.assert_allclose(np.asarray(st["cache"].k)[:, i, :, :m], np.asarray(fresh["cache"].k)[:, i, :, :m], atol=2e-5)
+    # the fixed engine's start (its prefill), not a whole run: what it leaves the head with
     fixed = engine.SpeculativeEngine(tgt, prop, "token")
-    st = fixed.generate(prompts, seed=2, max_new_tokens=1, sampling_params=sp).raw["proposer_state"]
+    args, static = fixed._call_args(fixed.prepare(prompts, seed=2, max_new_tokens=1, sampling_params=sp))
+    st = fixed._executable(args, static, "_start")(*args).proposer_state
     assert (np.asarray(st["cache"].lengths) > 0).all() and not np.asarray(st["n"]).any()
 
 
