@@ -14,7 +14,6 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 # Roles (folded in after the round).
 DRAFT = 0  # the draft's sampling of token i of a block
@@ -86,26 +85,22 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
 def _rotate_left(x, r: int):
-    return lax.bitwise_or(lax.shift_left(x, np.uint32(r)), lax.shift_right_logical(x, np.uint32(32 - r)))
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
 
 
-@jax.jit
 def _threefry2x32(k0, k1, x0, x1):
     """The threefry2x32 hash of the count words (x0, x1) under the key words (k0, k1), all
     uint32 (broadcast), unrolled: one elementwise expression that XLA fuses with its
     neighbours (JAX lowers the hash on CPU as a rolled loop: five passes over the
-    arrays, or five iterations of a while loop for a key). Written with ``lax`` primitives,
-    not ``jax.numpy`` operators: each of those is a nested jitted call to trace, and an
-    engine program hashes ~50 keys of ~100 operations each (its tracing time: ~1/3 less)."""
-    add, xor = lax.add, lax.bitwise_xor
-    ks = (k0, k1, xor(xor(k0, k1), np.uint32(0x1BD11BDA)))
-    x0, x1 = add(x0, ks[0]), add(x1, ks[1])
+    arrays, or five iterations of a while loop for a key)."""
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
     for g in range(5):
         for r in _ROTATIONS[g % 2]:
-            x0 = add(x0, x1)
-            x1 = xor(x0, _rotate_left(x1, r))
-        x0 = add(x0, ks[(g + 1) % 3])
-        x1 = add(add(x1, ks[(g + 2) % 3]), np.uint32(g + 1))
+            x0 = x0 + x1
+            x1 = x0 ^ _rotate_left(x1, r)
+        x0 = x0 + ks[(g + 1) % 3]
+        x1 = x1 + ks[(g + 2) % 3] + np.uint32(g + 1)
     return x0, x1
 
 
