@@ -1477,11 +1477,13 @@ class SpeculativeEngine(_Sharded):
         # round.
         room = self.proposer.backlog_room(carry.proposer_state) if self._defers_plain else 0  # static
 
-        def settle(c, drafting: bool):
+        def settle(c, drafting):
+            """``drafting``: a traced bool (the branch entered drafts); one catch-up in the
+            program for every branch (traced once, not once per branch)."""
             if not room:
                 return c
             n = self.proposer.backlog(c.proposer_state)
-            need = jnp.any(n > 0) if drafting else jnp.any(n >= room)
+            need = jnp.where(drafting, jnp.any(n > 0), jnp.any(n >= room))
 
             def run(ps):
                 with self._role("draft"):
@@ -1508,13 +1510,13 @@ class SpeculativeEngine(_Sharded):
                 c, _, jmax = x
                 return more(c) & (jmax == j) & (has_room(c) if j == 0 else True)
 
-            return lambda x: jax.lax.while_loop(go_on, step, (settle(x[0], drafting=j > 0),) + x[1:])
+            return lambda x: jax.lax.while_loop(go_on, step, x)
 
         branches = [branch(j) for j in range(self.k + 1)]
 
         def enter(x):  # one iteration per branch entered: counted (AutoState.switches)
             c = x[0].replace(auto=x[0].auto.replace(switches=x[0].auto.switches + 1))
-            return _run_branch(x[2], branches, (c,) + x[1:])
+            return _run_branch(x[2], branches, (settle(c, drafting=x[2] > 0),) + x[1:])
 
         out = jax.lax.while_loop(lambda x: more(x[0]), enter, (carry, *choice(carry)))
         return out[0]
