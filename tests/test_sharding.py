@@ -8,7 +8,8 @@ to its data axis too, and the dry run shards rows over data.) They use ``--xla_b
 time); the single-device reference and the sharded runs compile with the same flags. So these
 runs check that sharding changes nothing at equal flags, not the values themselves (the other
 files, at XLA's default level, do): XLA's CPU backend at level 0 can miscompute (a fused
-penalty + filter + log-normalization of 8 logits gave NaN there and the right values at 1 and 2).
+penalty + filter + log-normalization of 8 logits gave NaN there and the right values at 1 and 2:
+docs/xla_cpu_o0.md).
 """
 from __future__ import annotations
 
