@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import jax
+import numpy as np
 from flax import nnx
 
 from specjax import sampling
@@ -279,11 +280,15 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def _check_k(k) -> None:
-    if k == "auto":
-        return
+def _check_k(k):
+    """``k`` as 'auto' or a Python int >= 1 (numpy's integers accepted), else ValueError."""
+    if isinstance(k, str) and k == "auto":
+        return k
+    if isinstance(k, np.integer) and not isinstance(k, np.bool_):
+        k = int(k)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"K must be an integer >= 1 or 'auto', got {k!r}")
+    return k
 
 
 def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
@@ -308,7 +313,7 @@ def make_engine(target, draft, k: Optional[int] = None, method: str = "token",
         return (_engine if memo else _new_engine)(target, draft, None, method, sharding, tree or TreeSpec())
     if k is None:
         k = draft.k if isinstance(draft, Proposer) else DEFAULT_K
-    _check_k(k)
+    k = _check_k(k)
     return (_engine if memo else _new_engine)(target, draft, k, method, sharding, None)
 
 

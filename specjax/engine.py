@@ -141,16 +141,35 @@ def _as_params(sampling_params, batch: int) -> sampling.SamplingParams:
     if sampling_params is None:
         return sampling.SamplingConfig().to_params(batch)
     if isinstance(sampling_params, sampling.SamplingParams):
+        values = {}
         for f in dataclasses.fields(sampling_params):
             got = np.shape(getattr(sampling_params, f.name))
             if got != (batch,):
                 raise ValueError(f"SamplingParams.{f.name} has batch shape {got}, expected ({batch},)")
-        return sampling_params
+            values[f.name] = np.asarray(getattr(sampling_params, f.name))
+        # built without create() (its fields set directly): the same host checks as create()
+        return sampling.SamplingParams.create(batch, **values)
     if isinstance(sampling_params, sampling.SamplingConfig):
         return sampling_params.to_params(batch)
     if isinstance(sampling_params, dict):
         return sampling.SamplingParams.create(batch, **sampling_params)
     raise TypeError(f"unsupported sampling parameters: {type(sampling_params).__name__}")
+
+
+def calibration_sizes(prompt_len: int, new_tokens: int, k: int, limit: Optional[int],
+                      min_prompt_len: int = 1) -> tuple:
+    """(prompt tokens, new tokens) of adaptive K's calibration runs: as asked where they fit
+    the model's context ``limit`` with K, else shorter (the prompt at most half of what is
+    left); ValueError when not even a token fits."""
+    if limit is None or prompt_len + new_tokens + k <= limit:
+        return prompt_len, new_tokens
+    room = limit - k
+    plen = max(min_prompt_len, 1, min(prompt_len, room // 2))
+    if room - plen < 1:
+        raise ValueError(f"k='auto' cannot measure its round costs: the model's context of {limit} "
+                         f"tokens leaves no room for a {plen}-token prompt, K = {k} and a token "
+                         "(give them with set_costs)")
+    return plen, min(new_tokens, room - plen)
 
 
 def _prepare_prompts(prompts, vocab_size: int, min_len: int):
@@ -184,9 +203,15 @@ def _prepare_prompts(prompts, vocab_size: int, min_len: int):
 
 def _prepare_keys(row_keys, seed, row_indices, batch):
     if row_keys is not None:
+        if seed is not None or row_indices is not None:
+            raise ValueError("give either per-row keys or a seed (and row_indices), not both")
         row_keys = jnp.asarray(row_keys)
         if not jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
-            row_keys = jax.random.wrap_key_data(row_keys)
+            try:
+                row_keys = jax.random.wrap_key_data(row_keys)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"keys: expected one PRNG key per row (jax.random.key), got "
+                                 f"{row_keys.dtype} data of shape {row_keys.shape}") from e
         if row_keys.shape != (batch,):
             raise ValueError(f"expected one key per row: shape ({batch},), got {row_keys.shape}")
         return row_keys
@@ -198,19 +223,6 @@ def _prepare_keys(row_keys, seed, row_indices, batch):
     if row_indices.shape != (batch,):
         raise ValueError(f"row_indices must have shape ({batch},)")
     return keys.row_keys(keys.check_seed(seed), row_indices)
-
-
-def _per_row_int(value, batch, name, minimum):
-    arr = np.asarray(value)
-    integral = arr.dtype.kind == "f" and bool(np.all(np.isfinite(arr) & (arr == np.round(arr))))
-    if not (arr.dtype.kind in "iu" or integral):
-        raise ValueError(f"{name} must be integers, got {value!r}")
-    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
-        raise ValueError(f"{name}: give one value or one per row ({batch}), got shape {arr.shape}")
-    arr = np.broadcast_to(arr.astype(np.int64), (batch,)).copy()
-    if (arr < minimum).any():
-        raise ValueError(f"{name} must be >= {minimum}, got {arr.min()}")
-    return arr.astype(np.int32)
 
 
 def _count(name: str, value) -> int:
@@ -283,7 +295,7 @@ def prepare_batch(prompts, model, *, k: int = 0, min_prompt_len: int = 1, keys=N
     buf, lens = _prepare_prompts(prompts, v, max(1, min_prompt_len))
     b = buf.shape[0]
     params = _as_params(sampling_params, b)
-    max_new = _per_row_int(max_new_tokens, b, "max_new_tokens", 0)
+    max_new = sampling.per_row_count("max_new_tokens", max_new_tokens, b, 0)
     limit = context_limit(model)
     need = int((lens + max_new).max()) + k
     if limit is not None and need > limit:
@@ -313,7 +325,7 @@ class DecodeState:
     seq_len: jax.Array  # int32[B]
     done: jax.Array  # bool[B]: finished (stop token, max_new_tokens or error)
     stopped: jax.Array  # bool[B]: finished on a stop token
-    error: jax.Array  # bool[B]: NaN probabilities met
+    error: jax.Array  # bool[B]: invalid probabilities met (NaN, or no token possible)
 
     @classmethod
     def initial(cls, prompts, prompt_lens, out_cap, seq_cap, vocab_size, max_new) -> "DecodeState":
@@ -1310,7 +1322,7 @@ def _to_output(res, *, with_stats, raise_on_error, rows) -> GenerateOutput:
     err = np.asarray(res["error"])
     if raise_on_error and err.any():
         raise FloatingPointError(
-            f"invalid (NaN) probabilities met in rows {np.nonzero(err)[0].tolist()}; "
+            f"invalid probabilities (NaN, or no token possible) met in rows {np.nonzero(err)[0].tolist()}; "
             "no token was emitted for them past that point"
         )
     toks = np.asarray(res["tokens"])
@@ -1374,6 +1386,12 @@ class SpeculativeEngine(_Sharded):
             if not getattr(target, "supports_tree", False):
                 raise TypeError(f"the target {type(target).__name__} does not take tree attention")
         k = proposer.k
+        if isinstance(k, np.integer) and k >= 1:  # numpy's integers as Python's (K is static)
+            try:
+                proposer = _with_k(proposer, int(k))
+                k = proposer.k
+            except TypeError:
+                pass
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"K must be an integer >= 1, got {k!r}")
         if proposer.vocab_size != target.vocab_size:
@@ -1634,7 +1652,7 @@ class SpeculativeEngine(_Sharded):
                                     use_penalties, allowed=controls.allowed_at(self.generated_before(state.gen_len, 0)),
                                     bias=controls.bias_at(3), top_values=self._top_values), _LOGITS)[:, 0]
         x = sample_rows(jax.vmap(lambda kk: keys.position_key(keys.role_key(kk, keys.BONUS), 0))(round_keys), p_lp)
-        err = jnp.any(jnp.isnan(p_lp), axis=-1)
+        err = x < 0  # NaN, or no token possible: what sample() marks with -1
         state, _ = state.commit(x[:, None], jnp.ones((b,), jnp.int32), stop_ids, max_new, err)
         tcache = self._c_cache(o.cache.with_lengths(self.target_cache_lengths(state.seq_len)))
         ctx = CommitContext(seq=state.seq, seq_len=state.seq_len,
@@ -1881,12 +1899,12 @@ class SpeculativeEngine(_Sharded):
         (:meth:`set_costs`) and saves it to the cost file."""
         if not self.adaptive:
             raise ValueError("calibrate is for an adaptive-K engine (k='auto')")
-        b = int(batch_size)
+        b = _count("batch_size", batch_size)
         rng = np.random.default_rng(0)
         width = bucket(prompt_len) if like is None else like.prompts.shape[1]
-        plen = min(int(prompt_len), width)
+        plen, n = calibration_sizes(min(int(prompt_len), width), int(new_tokens), self.k,
+                                    context_limit(self.target), self.proposer.min_prompt_len)
         prompts = rng.integers(0, self.target.vocab_size, (b, plen))
-        n = int(new_tokens)
         timers = []  # per j: a function that runs the generation once -> (seconds of its rounds, rounds)
         for j in range(self.k + 1):
             forced = np.full(self.k + 1, np.inf)  # one program, j forced by the cost argument
@@ -2077,7 +2095,7 @@ class AutoregressiveEngine(_Sharded):
             # step index = the row's own generated count (the loop index for a row that
             # starts with the batch; what a row inserted later would have had alone)
             x = sample_rows(jax.vmap(lambda kk, g: keys.derive(kk, g, keys.TARGET, 0))(row_keys, state.gen_len), lp)
-            err = jnp.any(jnp.isnan(lp), axis=-1)
+            err = x < 0  # NaN, or no token possible: what sample() marks with -1
             state, _ = state.commit(x[:, None], jnp.ones((b,), jnp.int32), stop_ids, max_new, err)
             return ARCarry(state=self._c_state(state),
                            target_cache=self._c_cache(o.cache.with_lengths(state.seq_len - 1)),

@@ -113,16 +113,16 @@ def _per_row(name: str, value, batch_size: int, dtype) -> np.ndarray:
         raise ValueError(
             f"SamplingParams.{name} must be a scalar or have length batch_size={batch_size}, "
             f"got shape {arr.shape}")
+    if arr.dtype.kind not in "iuf":  # strings, bools, objects: never read as numbers
+        raise ValueError(f"SamplingParams.{name} must be numeric, got {value!r}")
     if dtype == np.int32:
-        if arr.dtype.kind not in "iub":
+        if arr.dtype.kind == "f":
             as_float = arr.astype(np.float64)
             bad = ~np.isfinite(as_float) | (as_float != np.round(as_float))
             _check_rows(name, arr, bad, "must be an integer")
         # past int32 (top-k: <= 0 or >= V is off either way) clipped, never wrapped around
         info = np.iinfo(np.int32)
         return np.clip(arr.astype(np.float64), info.min, info.max).astype(np.int32)
-    if arr.dtype.kind not in "iufb":
-        raise ValueError(f"SamplingParams.{name} must be numeric, got dtype {arr.dtype}")
     wide = arr.astype(np.float64)
     _check_rows(name, wide, np.isfinite(wide) & (np.abs(wide) > np.finfo(np.float32).max),
                 "outside float32's range")
@@ -142,6 +142,18 @@ def _validate(f: dict) -> None:
                 "must be finite and > 0")
     pp = f["presence_penalty"]
     _check_rows("presence_penalty", pp, ~np.isfinite(pp), "must be finite")
+
+
+def _flush_subnormals(f: dict) -> None:
+    """Values below float32's smallest normal number as the device reads them (XLA flushes
+    subnormals to zero), so that host-side decisions (batch hints: is a row greedy?) agree
+    with the program: temperature, min_p and presence_penalty to 0; top_p and
+    repetition_penalty, which must stay > 0, to that number (top_p: the top tokens only)."""
+    tiny = np.finfo(np.float32).tiny
+    for name in ("temperature", "min_p", "presence_penalty"):
+        f[name] = np.where(np.abs(f[name]) < tiny, np.float32(0), f[name]).astype(np.float32)
+    for name in ("top_p", "repetition_penalty"):
+        f[name] = np.maximum(f[name], tiny).astype(np.float32)
 
 
 @flax.struct.dataclass
@@ -182,6 +194,7 @@ class SamplingParams:
                                          batch_size, np.float32),
         }
         _validate(f)
+        _flush_subnormals(f)
         return cls(**{k: jnp.asarray(v) for k, v in f.items()})
 
 
@@ -256,10 +269,35 @@ def stop_token_ids(stop_tokens, vocab_size: int) -> np.ndarray:
 
 
 def _token_ids(name: str, ids, vocab_size: int) -> np.ndarray:
-    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+    """One flat list of token ids -> int64[n] (a nested or ragged list is an error, never
+    flattened: stop tokens, say, are one set for every row)."""
+    items = list(ids) if not isinstance(ids, np.ndarray) else ids
+    if not isinstance(items, np.ndarray) and any(isinstance(x, (list, tuple, np.ndarray)) for x in items):
+        raise ValueError(f"{name}: expected one flat list of token ids, got a nested list")
+    arr = np.asarray(items)
+    if arr.ndim > 1:
+        raise ValueError(f"{name}: expected one flat list of token ids, got shape {arr.shape}")
     if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"{name}: token ids must be integers in [0, {vocab_size}), got {arr.tolist()}")
     return arr.astype(np.int64).reshape(-1)
+
+
+def per_row_count(name: str, value, batch: int, minimum: int = 0) -> np.ndarray:
+    """A count for every row (one integer, or one per row) -> int32[batch]; ValueError
+    unless each is an integer in [minimum, 2**31) (checked before any cast, so a large
+    value is an error, never wrapped around). Integral floats (``2.0``) are accepted."""
+    arr = np.asarray(value)
+    integral = arr.dtype.kind == "f" and bool(np.all(np.isfinite(arr) & (arr == np.round(arr))))
+    if isinstance(value, (bool, np.bool_)) or not (arr.dtype.kind in "iu" or integral):
+        raise ValueError(f"{name} must be integers, got {value!r}")
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
+        raise ValueError(f"{name}: give one value or one per row ({batch}), got shape {arr.shape}")
+    top = np.iinfo(np.int32).max
+    if arr.size and (arr < minimum).any():
+        raise ValueError(f"{name} must be >= {minimum}, got {arr.min()!r}")
+    if arr.size and (arr > top).any():
+        raise ValueError(f"{name} must be < 2**31, got {arr.max()!r}")
+    return np.broadcast_to(arr.astype(np.int64), (batch,)).astype(np.int32)
 
 
 def _per_row_tokens(name: str, value, batch: int, vocab_size: int) -> np.ndarray:
@@ -286,9 +324,7 @@ def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens
     row), or a float array [V] / [B, V]. Every row must keep at least one token possible
     (and one that is not a stop token when ``min_new_tokens`` > 0)."""
     b, v = int(batch), int(vocab_size)
-    min_new = np.broadcast_to(np.asarray(min_new_tokens), (b,))
-    if min_new.dtype.kind not in "iu" or (min_new < 0).any():
-        raise ValueError(f"min_new_tokens must be integers >= 0, got {np.asarray(min_new_tokens).tolist()}")
+    min_new = per_row_count("min_new_tokens", min_new_tokens, b, 0)
     stop_mask = np.zeros((v,), bool)
     stop_mask[stop_token_ids(stop_tokens, v)] = True
     allowed = None
@@ -327,11 +363,11 @@ def make_controls(batch: int, vocab_size: int, *, stop_tokens=(), min_new_tokens
         empty = ~allowed.any(axis=1)
         if empty.any():
             raise ValueError(f"row {int(np.flatnonzero(empty)[0])}: no token is allowed")
-        no_go = (min_new > 0) & ~(allowed & ~stop_mask).any(axis=1)
-        if no_go.any():
-            raise ValueError(f"row {int(np.flatnonzero(no_go)[0])}: min_new_tokens > 0 but only stop "
-                             "tokens are allowed")
-    return Controls(min_new=jnp.asarray(min_new.astype(np.int32)), stop_mask=jnp.asarray(stop_mask),
+    no_go = (min_new > 0) & ~((np.ones((1, v), bool) if allowed is None else allowed) & ~stop_mask).any(axis=1)
+    if no_go.any():
+        raise ValueError(f"row {int(np.flatnonzero(no_go)[0])}: min_new_tokens > 0 but only stop "
+                         "tokens are allowed")
+    return Controls(min_new=jnp.asarray(min_new), stop_mask=jnp.asarray(stop_mask),
                     allowed=None if allowed is None else jnp.asarray(allowed),
                     bias=None if bias is None else jnp.asarray(bias.astype(np.float32)))
 

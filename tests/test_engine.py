@@ -457,7 +457,58 @@ def test_bad_input_is_rejected_before_work(target, draft):
     other = LlamaLM.init(tiny_config(vocab_size=V + 1), seed=0)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         build.generate(target, other, [[1, 2]], k=2, seed=0)
+    # counts past int32 are errors, never wrapped around (2**32 + 3 once gave 3 tokens, a
+    # min_new_tokens of 2**31 none; another bug hunt), and stop tokens are one flat set
+    for max_new in (2 ** 32 + 3, 2 ** 31, np.uint64(2 ** 32), 1e30):
+        with pytest.raises(ValueError, match="max_new_tokens must be < 2"):
+            eng.generate([[1, 2]], seed=0, max_new_tokens=max_new)
+    for min_new, msg in ((2 ** 31, "must be < 2"), ([1, 2, 3], "one per row")):
+        with pytest.raises(ValueError, match=f"min_new_tokens.*{msg}"):
+            eng.generate([[1, 2]] * 2, seed=0, max_new_tokens=6, stop_tokens=[5], min_new_tokens=min_new)
+    for stops in ([[5], [6]], [[1], [2, 3]], np.array([[5], [6]])):
+        with pytest.raises(ValueError, match="stop_tokens: expected one flat list"):
+            eng.generate([[1, 2]] * 2, seed=0, stop_tokens=stops)
+    # SamplingParams built field by field get create()'s checks
+    f = lambda x, dt=np.float32: np.full(2, x, dt)  # noqa: E731
+    for bad, msg in ((dict(temperature=f(-1.0)), "temperature"), (dict(top_k=f(2.5)), "top_k"),
+                     (dict(top_p=f(0.0)), "top_p")):
+        fields = dict(temperature=f(1.0), top_k=f(0, np.int32), top_p=f(1.0), min_p=f(0.0),
+                      repetition_penalty=f(1.0), presence_penalty=f(0.0)) | bad
+        with pytest.raises(ValueError, match=msg):
+            eng.generate([[1, 2]] * 2, seed=0, sampling_params=sampling.SamplingParams(**fields))
+    with pytest.raises(ValueError, match="not both"):
+        eng.generate([[1, 2]], seed=0, keys=jax.random.split(jax.random.key(0), 1))
+    with pytest.raises(ValueError, match="keys: expected one PRNG key per row"):
+        eng.generate([[1, 2]] * 2, keys=[1, 2])
     assert eng.trace_count == 0
+
+
+def test_numpy_integers_as_k_and_calibration_sizes(target, draft):
+    assert build.make_engine(target, draft, k=np.int64(2), memo=False).k == 2
+    assert engine.SpeculativeEngine(target, DraftModelProposer(draft, np.int64(3)), "token").k == 3
+    # k='auto' measures its costs with runs that fit the model's context (a context of 48
+    # once failed a 10-token call: the calibration's own 32 + 32 + K did not fit)
+    assert engine.calibration_sizes(32, 32, 3, None) == (32, 32)
+    assert engine.calibration_sizes(32, 32, 3, 67) == (32, 32)
+    assert engine.calibration_sizes(32, 32, 3, 48) == (22, 23)
+    assert engine.calibration_sizes(32, 32, 3, 6, min_prompt_len=2) == (2, 1)
+    with pytest.raises(ValueError, match="cannot measure its round costs"):
+        engine.calibration_sizes(32, 32, 3, 5, min_prompt_len=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        build.make_engine(target, draft, k="auto", memo=False).calibrate(0)
+
+
+def test_a_row_with_no_possible_token_is_an_error_not_minus_ones(target):
+    """A penalty that pushes the only allowed token to -inf leaves nothing to draw: the
+    autoregressive engine committed sample()'s -1 as tokens, silently (a bug hunt); it
+    is the error the speculative engine's verifier reports."""
+    kw = dict(seed=0, max_new_tokens=4, banned_tokens=[t for t in range(V) if t != 3],
+              logit_bias={3: -3e38}, sampling_params=sampling.SamplingConfig(repetition_penalty=2.0))
+    ar = engine.AutoregressiveEngine(target)
+    with pytest.raises(FloatingPointError, match="no token possible"):
+        ar.generate([[1, 3]], **kw)
+    out = ar.generate([[1, 3], [1, 2]], raise_on_error=False, **kw)
+    assert out.tokens == [[], [3]]  # row 1: 3 drawn, then seen, then impossible
 
 
 def test_nan_logits_raise_not_sample(draft):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from specjax import audit, keys
-from specjax.sampling import (SamplingConfig, SamplingParams, gumbel, process_logits,
-                              sample)
+from specjax.sampling import (SamplingConfig, SamplingParams, batch_hints, gumbel, hints_for,
+                              make_controls, process_logits, process_rows, sample)
 
 process = jax.jit(process_logits)
 
@@ -175,6 +175,9 @@ def test_empty_mask_gives_neg_inf_and_nan_propagates():
     ("top_p", [0.5, 0.5, 0.5], r"top_p must be a scalar or have length"),
     ("temperature", [1e300, 1.0], r"temperature\[0\].*float32's range"),
     ("presence_penalty", [0.0, -1e39], r"presence_penalty\[1\].*float32's range"),
+    ("top_k", ["5", 2], r"top_k must be numeric"),  # never read from text or bools
+    ("top_k", [True, False], r"top_k must be numeric"),
+    ("temperature", ["0.5", "1"], r"temperature must be numeric"),
 ])
 def test_invalid_params_raise_before_tracing(field, value, msg):
     traces = []
@@ -206,6 +209,35 @@ def test_a_logit_pushed_past_float32_by_bias_or_penalty_is_the_largest_not_nan()
                                     bias=jnp.asarray([[big, big, 0, 0]])))
     np.testing.assert_allclose(np.exp(got), [[0.5, 0.5, 0, 0]])
     assert np.isnan(np.asarray(process_logits(jnp.asarray([[1.0, np.inf]]), SamplingParams.create(1)))).all()
+
+
+def test_subnormal_values_are_read_as_the_device_reads_them():
+    """XLA flushes float32 subnormals to zero; the host reads them the same way, or a
+    temperature of 1e-40 was greedy on the device but sampled for the batch hints (their
+    argmax left out: token 0 certain, though banned) and a top-p of 1e-40 left no token
+    (NaN rows). A bug hunt found both."""
+    tiny = np.finfo(np.float32).tiny
+    prm = SamplingParams.create(2, temperature=[1e-40, 0.5], top_p=[1e-40, 1.0], min_p=[1e-40, 0.1],
+                                repetition_penalty=[1e-40, 1.0], presence_penalty=[-1e-40, 0.5])
+    assert prm.temperature.tolist() == [0.0, 0.5] and prm.min_p.tolist() == [0.0, np.float32(0.1)]
+    assert prm.top_p.tolist() == [tiny, 1.0] and prm.repetition_penalty.tolist() == [tiny, 1.0]
+    assert prm.presence_penalty.tolist() == [0.0, 0.5]
+    x = jnp.asarray([[-np.inf, 2.0, 1.0, 0.0], [1.0, 2.0, 2.0, 0.0]])
+    hinted = jax.jit(lambda x, p: process_rows(x, p, None, False))
+    want = np.asarray(process_logits(x, prm))
+    np.testing.assert_array_equal(want[0], [-np.inf, 0, -np.inf, -np.inf])  # greedy: the argmax
+    with batch_hints(hints_for(prm, 4, False)):
+        np.testing.assert_array_equal(np.asarray(hinted(x, prm)), want)
+    top = np.asarray(process_logits(x[1:], SamplingParams.create(1, top_p=1e-40)))
+    np.testing.assert_allclose(np.exp(top), [[0, 0.5, 0.5, 0]])  # the top tokens, not NaN
+
+
+def test_only_stop_tokens_with_min_new_tokens_is_refused():
+    with pytest.raises(ValueError, match="only stop tokens"):
+        make_controls(1, 4, stop_tokens=[0, 1, 2, 3], min_new_tokens=2)
+    with pytest.raises(ValueError, match="only stop tokens"):
+        make_controls(2, 4, stop_tokens=[0, 1], min_new_tokens=[0, 1], allowed_tokens=[0, 1])
+    make_controls(1, 4, stop_tokens=[0, 1, 2, 3], min_new_tokens=0)  # stopping at once is fine
 
 
 def test_top_k_past_int32_is_clipped_not_wrapped():
