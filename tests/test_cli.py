@@ -16,7 +16,7 @@ from specjax import build, cli
     (["generate", "   "], "empty prompt"),
     (["generate", "hi", "--k", "0"], "--k must be >= 1"),
     (["generate", "hi", "--k", "fast"], "--k must be an integer >= 1 or 'auto'"),
-    (["generate", "hi", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["generate", "--prompts-file", "pyproject.toml", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--temperature", "nan"], "--temperature"),
     (["generate", "hi", "--top-p", "0"], "--top-p"),
@@ -62,11 +62,49 @@ from specjax import build, cli
     (["generate", "hi", "--draft", "none", "--compare"], "--compare does not apply"),
     (["generate", "hi", "--draft", "none", "--method", "token"], "--method does not apply"),  # the default, given
     (["generate", "", "--prompts-file", "pyproject.toml"], "give either a prompt or --prompts-file"),
+    # another bug hunt: options that do not apply were ignored (greedy's reported as used),
+    # a draft file was checked against the target only after loading it, a non-UTF-8
+    # prompt gave a traceback
+    (["generate", "hi", "--method", "greedy", "--temperature", "1.5", "--top-p", "0.5"],
+     "--method greedy decodes the target's argmax chain: --temperature, --top-p do not apply"),
+    (["generate", "hi", "--method", "greedy", "--seed", "7"], "--seed does not apply"),
+    (["generate", "hi", "--repeats", "5"], "--repeats does not apply without --compare"),
+    (["generate", "hi", "--batch-size", "8"], "--batch-size does not apply to a single prompt"),
+    (["generate", "hi", "--draft", "configs/models/tiny.yaml"], "--draft: draft 'configs/models/tiny.yaml' has vocabulary 8, the target 49152"),
+    (["generate", "hi", "--draft", "configs"], "--draft: draft 'configs': an HF checkpoint folder needs a readable config.json"),
+    (["generate", "\udcffhi"], "the prompt is not valid UTF-8 text"),
+    (["generate", "hi", "--allow", "5", "--ban", "5"], "--allow / --ban / --min-new-tokens: no token is allowed"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
     assert cli.main(argv) == cli.EXIT_USAGE
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_argparse_errors_and_prompts_files_and_environment(tmp_path, capsys, monkeypatch):
+    """argparse's own errors in one line; a prompts file's byte-order mark is not part of
+    its first prompt, its lines are named by number, a non-UTF-8 file says so; an unknown
+    $SPECJAX_COMPILE_CACHE is an error, not "on"."""
+    for argv, msg in ((["generate", "hi", "--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+                      (["generate", "hi", "--method", "foo"], "argument --method: invalid choice: 'foo'")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == cli.EXIT_USAGE and msg in err and err.count("\n") == 1, err
+    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before checking input"))
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffHello\n\nWorld\n".encode("utf-8"))
+    a = cli._parser().parse_args(["generate", "--prompts-file", str(bom)])
+    assert cli._check_args(a) == ["Hello", "World"]
+    assert a.prompt_names == [f"line 1 of {bom}", f"line 3 of {bom}"]
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    assert cli.main(["generate", "--prompts-file", str(bad)]) == cli.EXIT_USAGE
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "maybe")
+    assert cli.main(["generate", "hi"]) == cli.EXIT_USAGE
+    assert "SPECJAX_COMPILE_CACHE must be 1 or 0, got 'maybe'" in capsys.readouterr().err
 
 
 def test_nan_probabilities_are_one_line_and_exit_1(capsys, monkeypatch):
