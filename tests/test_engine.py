@@ -505,8 +505,8 @@ def test_a_row_with_no_possible_token_is_an_error_not_minus_ones(target):
     kw = dict(seed=0, max_new_tokens=4, banned_tokens=[t for t in range(V) if t != 3],
               logit_bias={3: -3e38}, sampling_params=sampling.SamplingConfig(repetition_penalty=2.0))
     ar = engine.AutoregressiveEngine(target)
-    with pytest.raises(FloatingPointError, match="no token possible"):
-        ar.generate([[1, 3]], **kw)
+    with pytest.raises(FloatingPointError, match=r"no token possible\) met in rows \[0, 1\]"):
+        ar.generate([[1, 3], [1, 2]], **kw)
     out = ar.generate([[1, 3], [1, 2]], raise_on_error=False, **kw)
     assert out.tokens == [[], [3]]  # row 1: 3 drawn, then seen, then impossible
 
