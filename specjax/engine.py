@@ -236,6 +236,15 @@ def _count(name: str, value) -> int:
     return n
 
 
+def _chunk(chunk) -> int:
+    """A stream's loop iterations per chunk: an integer in [1, 2**31) (``RUN_TO_THE_END``
+    included), checked when the stream is made, not at its first chunk."""
+    n = _count("chunk", chunk)
+    if n > np.iinfo(np.int32).max:
+        raise ValueError(f"chunk must be < 2**31, got {chunk!r}")
+    return n
+
+
 def _stop_array(stop_tokens, vocab_size):
     stops = sampling.stop_token_ids(stop_tokens, vocab_size).tolist()
     # a fixed small size so the number of stop tokens rarely changes the shape
@@ -629,14 +638,24 @@ class TokenStream:
 
     def __init__(self, gen):
         self._gen = gen
+        self._ended = False
         self.output: Optional[GenerateOutput] = None
 
-    def __iter__(self):
-        self.output = yield from self._gen
-        return self.output
+    def __iter__(self):  # the stream itself: a loop left early goes on where it stopped
+        return self
+
+    def __next__(self) -> list:
+        if self._ended:
+            raise StopIteration
+        try:
+            return next(self._gen)
+        except StopIteration as e:
+            self._ended = True
+            self.output = e.value
+            raise StopIteration from None
 
     def run(self) -> GenerateOutput:
-        """Consume the stream (ignoring the chunks) and return the output."""
+        """Consume the rest of the stream (ignoring the chunks) and return the output."""
         for _ in self:
             pass
         return self.output
@@ -974,6 +993,8 @@ class _Sharded:
         they move to a loop state of the smallest such size (their state, caches and counts
         gathered, nothing recomputed), so that the tail does not pay for idle rows."""
         batch_size = _count("batch_size", batch_size)
+        if on_row is not None and not callable(on_row):
+            raise TypeError(f"on_row must be a function of (row index, row results), got {on_row!r}")
         n = full.size
         b = min(batch_size, n)
         # per-row values on the host once: every pause picks rows from them (numpy, not
@@ -995,10 +1016,13 @@ class _Sharded:
         with self._context():
             carry = start(*args)
             rest = self._advance_inputs(args)
+            refill = True  # look before running: a row with max_new_tokens 0 is done at once
             while True:
-                carry = advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(True))
+                if not refill:
+                    carry = advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(True))
                 done = np.asarray(jax.device_get(carry.state.done))
                 finished = [s for s in range(len(slots)) if slots[s] is not None and done[s]]
+                refill = False
                 if finished:
                     host = _host(finish(carry))
                     for s in finished:
@@ -1010,6 +1034,7 @@ class _Sharded:
                             slots[s] = nxt
                             nxt += 1
                             inserts += 1
+                            refill = True  # (so may the inserted row be)
                         else:
                             slots[s] = None
                     running = [s for s in range(len(slots)) if slots[s] is not None]
@@ -1988,7 +2013,9 @@ class SpeculativeEngine(_Sharded):
         count, so with a fixed K its output is what ``generate([prompt_i], row_indices=[i])``
         gives (with ``k="auto"`` the law is exact and the draft lengths are the batch's).
         ``kwargs``: as :meth:`generate`, per-row values given for the whole dataset.
-        ``on_row(i, row)``: called as row i finishes. The output lists rows in dataset
+        ``on_row(i, row)``: called as row i finishes, with its raw results (a dict of numpy
+        values, as the program returns them: ``tokens`` is the padded buffer, of which the
+        first ``gen_len`` are the row's; its counters, not yet :class:`RowStats`). The output lists rows in dataset
         order; ``raw`` adds ``iterations`` (loop iterations of the whole run),
         ``batch_size``, ``inserts``, ``stages`` ((slots, loop iterations) per batch size
         the run went through), ``slot_iterations`` (their sum of slots x iterations) and,
@@ -2012,7 +2039,7 @@ class SpeculativeEngine(_Sharded):
         returns for the same arguments (the same rounds with the same keys). Each chunk
         ends with one transfer of the token buffer to the host."""
         batch = self.prepare(prompts, **kwargs)
-        return TokenStream(self._stream(batch, chunk, {}, True, raise_on_error))
+        return TokenStream(self._stream(batch, _chunk(chunk), {}, True, raise_on_error))
 
     def compile(self, prompts, *, stream: bool = False, dataset_batch: Optional[int] = None,
                 compact=True, **kwargs) -> None:
@@ -2121,6 +2148,8 @@ class AutoregressiveEngine(_Sharded):
         return prepare_batch(prompts, self.target, **kwargs)
 
     def _call_args(self, batch: Batch, greedy: bool = False, hints=_OWN):
+        if not isinstance(greedy, (bool, np.bool_)):
+            raise TypeError(f"greedy must be True or False, got {greedy!r}")
         if greedy:
             batch = dataclasses.replace(batch, params=_all_greedy(batch.params))
         args = (self._placed(self.target.params, "target"), *self._device_inputs(batch))
@@ -2144,7 +2173,7 @@ class AutoregressiveEngine(_Sharded):
                **kwargs) -> "TokenStream":
         """As :meth:`SpeculativeEngine.stream` (``chunk``: decoding steps per chunk)."""
         batch = self.prepare(prompts, **kwargs)
-        return TokenStream(self._stream(batch, chunk, dict(greedy=greedy), False, raise_on_error))
+        return TokenStream(self._stream(batch, _chunk(chunk), dict(greedy=greedy), False, raise_on_error))
 
     def compile(self, prompts, *, greedy=False, stream: bool = False,
                 dataset_batch: Optional[int] = None, compact=True, **kwargs) -> None:

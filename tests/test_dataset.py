@@ -134,6 +134,24 @@ def test_batch_of_one_and_larger_than_the_dataset(models):
     assert eng.generate_dataset(prompts, batch_size=64, **kw).tokens == ref
     with pytest.raises(ValueError, match="batch_size"):
         eng.generate_dataset(prompts, batch_size=0, **kw)
+    with pytest.raises(TypeError, match="on_row must be a function"):
+        eng.generate_dataset(prompts, batch_size=2, on_row=1, **kw)
+    with pytest.raises(TypeError, match="greedy must be True or False"):
+        eng.generate_dataset(prompts, batch_size=2, greedy="x", **kw)
+
+
+def test_a_row_with_nothing_to_generate_frees_its_slot_at_once(models):
+    """A row with max_new_tokens 0 is done when it enters a slot: the slot is refilled
+    before the loop runs on (it idled until another row finished: 40 loop iterations for
+    20 + 0 + 20 tokens at batch 2; a bug hunt), also when every row is such a row."""
+    target, _ = models
+    eng = engine.AutoregressiveEngine(target)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 1], [2, 2]]
+    kw = dict(seed=1, sampling_params=dict(temperature=1.0))
+    for budget, iterations in (([20, 0, 20, 0], 20), ([0, 20, 0, 20], 20), ([0, 0, 0, 0], 0)):
+        out = eng.generate_dataset(prompts, batch_size=2, max_new_tokens=budget, **kw)
+        assert [len(t) for t in out.tokens] == budget and out.raw["iterations"] == iterations, out.raw
+        assert out.tokens == eng.generate(prompts, max_new_tokens=budget, **kw).tokens
 
 
 def test_adaptive_tail_borrows_the_next_larger_cost_table(models):

@@ -609,8 +609,20 @@ def test_stream_yields_the_same_tokens_as_generate(which):
         if which == "speculative":
             assert [s.rounds for s in st.output.stats] == [s.rounds for s in ref.stats]
             assert chunks == -(-max(s.rounds for s in ref.stats) // chunk)
-    with pytest.raises(ValueError, match="chunk"):
-        eng.stream(prompts, chunk=0, **kw).run()
+    for chunk in (0, 2 ** 31):  # refused when the stream is made, not at its first chunk
+        with pytest.raises(ValueError, match="chunk"):
+            eng.stream(prompts, chunk=chunk, **kw)
+    # a loop left early goes on where it stopped, and a stream read to its end keeps its
+    # output (a second read once set it to None; a bug hunt)
+    st = eng.stream(prompts, chunk=2, **kw)
+    got = next(iter(st))
+    for new in st:
+        got = [a + b for a, b in zip(got, new)]
+        break
+    rest = st.run()
+    assert rest.tokens == ref.tokens and st.output is rest
+    assert all(t[:len(g)] == g for t, g in zip(ref.tokens, got)) and any(got)  # what it yielded: a prefix
+    assert list(st) == [] and st.run() is rest
 
 
 # ---------------------------------------------------------------------------- long prompts
