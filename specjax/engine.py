@@ -65,8 +65,12 @@ RUN_TO_THE_END = 2 ** 30  # the ``until`` of an advance that runs to the end (an
 
 @dataclasses.dataclass
 class RowStats:
+    """One row's statistics. ``accepted`` counts what the verifier accepted, also past a
+    stop token or ``max_new_tokens`` (the commit cuts those tokens): a statistic of the
+    verifier (``accepted / drafted``: the acceptance rate), so ``accepted + rounds`` may
+    exceed ``emitted``, the tokens the row kept."""
     rounds: int
-    drafted: int
+    drafted: int  # draft tokens proposed to the verifier (tree: the nodes)
     accepted: int
     emitted: int
     accepted_per_position: list  # acceptance rate at draft position i (given it was reached)
