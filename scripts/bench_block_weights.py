@@ -86,7 +86,8 @@ def step_blocks(m, full=False):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--gguf", default=None, help="a Q8_0 / Q4_0 / Q4_1 Llama GGUF (default: SmolLM2-135M's)")

@@ -43,7 +43,8 @@ def timed(fn, repeats: int) -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt-tokens", type=int, default=3000)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

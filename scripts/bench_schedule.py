@@ -98,7 +98,8 @@ def grid(a, target, draft, tok, lines):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=_csv(int), default=(1, 4, 16))
     ap.add_argument("--temps", type=_csv(float), default=(0.0, 1.0))
     ap.add_argument("--ks", type=_csv(int), default=(2, 3))

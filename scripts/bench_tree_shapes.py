@@ -61,7 +61,8 @@ def _shapes(text, sep):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts-file", default="configs/bench/prompts.txt")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args(argv)

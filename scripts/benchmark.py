@@ -54,7 +54,8 @@ from scripts.bench.plots import make_plots  # noqa: E402
 from scripts.bench.report import (  # noqa: E402
     block_vs_token, loadavg, log, machine_info, render_markdown, replace_marked_section)
 from scripts.bench.timing import Runner, StepTimer, exactness, run_specjax  # noqa: E402
-from specjax.build import load_target, resolve_draft  # noqa: E402
+from specjax.build import check_draft_spec, check_layer_settings, load_target, resolve_draft  # noqa: E402
+from specjax.cli import OneLineParser  # noqa: E402
 
 
 def _csv(typ):
@@ -67,7 +68,7 @@ def _csv(typ):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="configs/bench/<name>.yaml or a YAML path (default: default)")
     ap.add_argument("--quick", action="store_true", help="the quick config (< 3 min on 2 cores; no peer)")
     ap.add_argument("--model", default=None, help="default | tiny | <model preset> | <file.gguf> | <HF checkpoint dir> (specjax.build.load_target)")
@@ -96,7 +97,8 @@ def parse_args(argv=None):
                          "accepted by sibling rank (Sequoia style)")
     ap.add_argument("--tree-candidates", default=None, choices=["without_replacement", "iid", "point_mass"],
                     help="method tree: how sampled rounds draw (point_mass: the top-k tree every round)")
-    ap.add_argument("--prompts-file", default=None, help="one prompt per line (default: the config's)")
+    ap.add_argument("--prompts-file", default=None, help="one prompt per line (default: the config's, a path in "
+                                                         "the checkout; a path given here is the current directory's)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
         over["batch_sizes"] = args.batch_sizes
     if args.markdown is not None:  # a path given here is the caller's (a config's is the repository's)
         over["markdown"] = str(Path(args.markdown).resolve())
+    if args.prompts_file is not None:  # likewise
+        over["prompts_file"] = str(Path(args.prompts_file).resolve())
     if args.no_plots:
         over["plots"] = False
     try:
@@ -146,6 +150,32 @@ def main(argv=None) -> int:
             cfg = cfg.replace(dataset=None)
         elif args.dataset and cfg.dataset is None:
             cfg = cfg.replace(dataset={})
+        if args.no_markdown and args.markdown is not None:
+            raise ValueError("--markdown and --no-markdown: give one")
+        tree_flags = [f"--{n.replace('_', '-')}" for n in ("tree_topk", "tree_nodes", "tree_branching", "tree_candidates",
+                                                          "tree_widths", "tree_sampled_nodes") if getattr(args, n) is not None]
+        if tree_flags and "tree" not in cfg.methods:
+            raise ValueError(f"{', '.join(tree_flags)} {'applies' if len(tree_flags) == 1 else 'apply'} to "
+                             "method tree only (--methods ...,tree)")
+        if args.prompts_file is not None and not Path(cfg.prompts_file).is_file():
+            raise ValueError(f"--prompts-file {args.prompts_file}: no such file")
+        check_draft_spec(cfg.draft)
+        check_layer_settings(cfg.param_dtype, cfg.dtype, cfg.scan_layers)
+        out_dir = Path(cfg.out_dir)
+        if not out_dir.is_absolute():
+            out_dir = Path.cwd() / out_dir
+        try:  # where the results go, before any work: a run's results are never lost at the end
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create the output folder {out_dir}: {e.strerror}") from None
+        if not os.access(out_dir, os.W_OK):
+            raise ValueError(f"cannot write to the output folder {out_dir}")
+        md = Path(cfg.markdown) if cfg.markdown and not args.no_markdown else None
+        if md is not None:
+            md = md if md.is_absolute() else REPO / md
+            if not (os.access(md, os.W_OK) if md.exists() else md.parent.is_dir() and os.access(md.parent, os.W_OK)) \
+                    or md.is_dir():
+                raise ValueError(f"cannot write the markdown file {md}")
     except (ValueError, FileNotFoundError) as e:  # a bad config or override: one line, exit 2
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
@@ -159,10 +189,6 @@ def main(argv=None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
-    out_dir = Path(cfg.out_dir)
-    if not out_dir.is_absolute():
-        out_dir = Path.cwd() / out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python scripts/benchmark.py"] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
 
     machine = machine_info()
@@ -235,14 +261,14 @@ def main(argv=None) -> int:
     result["loadavg_end"] = loadavg()
     result["finished_at"] = time.strftime("%Y-%m-%d %H:%M %Z")
     result["wall_s"] = time.time() - t_start
+    with open(json_path, "w") as f:  # the results first: nothing after this can lose them
+        json.dump(result, f, indent=1, default=_json_default)
+    log(f"wrote {json_path} ({result['wall_s']:.0f}s total)")
     md = render_markdown(cfg, result, links)
     (out_dir / "benchmark.md").write_text(md + "\n", encoding="utf-8")
     if md_path is not None:
         replace_marked_section(str(md_path), md)
         log(f"updated the benchmark section of {md_path}")
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1, default=_json_default)
-    log(f"wrote {json_path} ({result['wall_s']:.0f}s total)")
     for r in exact:
         if r["method"] in ("all",) or len(cfg.methods) == 1:
             pn, pp = r["p_value"], r.get("p_value_permutation")

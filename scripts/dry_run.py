@@ -23,7 +23,8 @@ from pathlib import Path
 
 
 def _parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("pod", help="configs/pods/<name>.yaml stem or a path")
     ap.add_argument("--devices", type=int, default=None, help="fake devices (default: the pod's)")
     ap.add_argument("--data", type=int, default=None, help="override mesh.data")
@@ -75,7 +76,13 @@ def _cpu_upcast_bytes(hlo_text: str, param_trees) -> int:
 
 
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
+    ap = _parser()
+    a = ap.parse_args(argv)
+    from specjax.cli import check_counts
+
+    check_counts(ap, a, ("devices", "data", "model", "batch", "prompt_len", "max_new_tokens", "k"))
+    if a.hlo_out is not None and (Path(a.hlo_out).is_dir() or not Path(a.hlo_out).resolve().parent.is_dir()):
+        ap.error(f"--hlo-out {a.hlo_out}: not a file in an existing folder")
     from specjax.configs import load_config  # imports no jax: the device count must be fixed first
 
     raw, path = load_config(a.pod, "pods", what="pod config")

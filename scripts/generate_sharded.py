@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pod", required=True, help="configs/pods/<name>.yaml stem or a path")
     ap.add_argument("--multihost", action="store_true",
                     help="call jax.distributed.initialize() (also implied by JAX_COORDINATOR_ADDRESS)")
@@ -55,21 +56,53 @@ def _parser():
 
 
 def _read_prompts(path):
+    """One JSON list of token ids (or ``{"tokens": [...]}``) per line; ValueError naming the
+    line otherwise (checked before any model is built)."""
     rows = []
-    with open(path) as f:
-        for line in f:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            obj = json.loads(line)
-            rows.append(obj["tokens"] if isinstance(obj, dict) else obj)
+            try:
+                obj = json.loads(line)
+                row = obj["tokens"] if isinstance(obj, dict) else obj
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"{path} line {n}: expected a JSON list of token ids or "
+                                 f"{{\"tokens\": [...]}} ({type(e).__name__}: {e})") from None
+            if not isinstance(row, list) or not row or not all(isinstance(t, int) and t >= 0 for t in row):
+                raise ValueError(f"{path} line {n}: expected a non-empty list of token ids >= 0")
+            rows.append(row)
     if not rows:
-        raise SystemExit(f"{path}: no prompts")
+        raise ValueError(f"{path}: no prompts")
     return rows
 
 
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
+    ap = _parser()
+    a = ap.parse_args(argv)
+    import math
+
+    from specjax.cli import check_counts
+    from specjax.keys import check_seed
+
+    check_counts(ap, a, ("data", "model", "batch", "prompt_len", "max_new_tokens", "k"))
+    if a.temperature is not None and not (math.isfinite(a.temperature) and a.temperature >= 0):
+        ap.error(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    try:
+        check_seed(a.seed)
+    except ValueError as e:
+        ap.error(f"--seed: {e}")
+    if a.random_weights and (a.target_ckpt or a.draft_ckpt):
+        ap.error("--random-weights ignores checkpoints: --target-ckpt / --draft-ckpt do not apply")
+    if a.prompts_file is not None and (a.batch is not None or a.prompt_len is not None):
+        ap.error("--prompts-file gives the prompts: --batch / --prompt-len do not apply")
+    prompts = None
+    if a.prompts_file is not None:  # every host reads the same file
+        try:
+            prompts = _read_prompts(a.prompts_file)
+        except (OSError, ValueError) as e:
+            ap.error(f"--prompts-file: {e}")
     from specjax import sharding as S
 
     S.initialize_distributed(True if a.multihost else None)  # before any other JAX call
@@ -116,8 +149,8 @@ def main(argv=None) -> int:
         draft = make_model(pod.draft, "draft", a.draft_ckpt or pod.checkpoint("draft"))
         proposer = DraftModelProposer(draft, g.k)
 
-    if a.prompts_file:
-        prompts = _read_prompts(a.prompts_file)  # every host reads the same file
+    if prompts is not None:  # (ids beyond the vocabulary: the engine's check, before any compile)
+        pass
     else:
         rng = np.random.default_rng(a.seed)  # the same on every host
         prompts = rng.integers(0, target.vocab_size, (g.batch, g.prompt_len)).tolist()

@@ -134,7 +134,8 @@ def _profile(fn, calls: int, out_dir: str) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny, a .gguf or a preset")
     ap.add_argument("--draft", default="default", help="as scripts/benchmark.py --draft")
     ap.add_argument("--k", type=int, default=2)

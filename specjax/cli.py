@@ -30,15 +30,25 @@ class UsageError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors on one line (not the whole usage block first)."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line and exit status 2 (not the whole usage
+    block first): the command line's parser, and the scripts'."""
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def check_counts(parser: argparse.ArgumentParser, args, names) -> None:
+    """For the scripts: each of ``args.<name>`` (those given) an integer >= 1, else the
+    parser's one-line error (exit 2)."""
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specjax", description="Exact speculative sampling in JAX.")
+    p = OneLineParser(prog="specjax", description="Exact speculative sampling in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("prompt", nargs="?", help="the prompt (user message for the chat template)")

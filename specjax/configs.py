@@ -47,7 +47,12 @@ def read_yaml(path: PathLike, allowed: Optional[Iterable[str]] = None) -> dict:
     import yaml
 
     with open(path, encoding="utf-8") as f:
-        d = yaml.safe_load(f)
+        try:
+            d = yaml.safe_load(f)
+        except yaml.YAMLError as e:  # one line: where and what
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ValueError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if d is None:
         d = {}
     if not isinstance(d, dict):

@@ -125,6 +125,38 @@ def test_benchmark_dataset_workload(auto_run):
     assert "Continuous against fixed batches, per generated token: autoregressive continuous" in md
 
 
+def test_benchmark_checks_its_grid_and_outputs_before_any_work(tmp_path, capsys, monkeypatch):
+    """In process (no model is loaded: load_target fails the test). A bug hunt found each
+    of these running (an empty grid wrote an empty benchmark.json over the last one; a
+    markdown path that cannot be written lost the run's results at its end) or failing
+    with a traceback after the model loaded."""
+    import scripts.benchmark as bench
+
+    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("loaded a model"))
+    (tmp_path / "file").write_text("x")
+    for argv, msg in ((["--batch-sizes", ","], "batch_sizes must not be empty"),
+                      (["--ks", ","], "no K to time at batch"),
+                      (["--temperatures", "nan"], "temperatures must be finite"),
+                      (["--seed", "-1"], "seed must be >= 0"),
+                      (["--markdown", "x.md", "--no-markdown"], "--markdown and --no-markdown"),
+                      (["--tree-topk", "2"], "--tree-topk applies to method tree only"),
+                      (["--prompts-file", "nope.txt"], "--prompts-file nope.txt: no such file"),
+                      (["--draft", "garbage"], "draft 'garbage'"),
+                      (["--param-dtype", "float64x"], "param_dtype must be one of"),
+                      (["--out", str(tmp_path / "file" / "sub")], "cannot create the output folder"),
+                      (["--markdown", str(tmp_path / "no" / "x.md")], "cannot write the markdown file")):
+        assert bench.main(["--quick", "--model", "tiny", "--out", str(tmp_path / "o"), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (argv, err)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ks: [1, 2\nrepeats: 3\n")
+    assert bench.main(["--config", str(bad)]) == 2
+    assert "not valid YAML (line 2" in capsys.readouterr().err
+    bad.write_text("repeats: '3'\n")
+    assert bench.main(["--config", str(bad)]) == 2
+    assert "repeats must be an integer" in capsys.readouterr().err
+
+
 def test_dataset_config_refuses_unknown_keys_and_values(tmp_path):
     from scripts.bench.config import BenchConfig
 

@@ -343,3 +343,28 @@ def test_two_processes_give_the_single_process_tokens(tmp_path):
     assert host0["devices"] == 8 and host0["mesh"] == {"data": 2, "model": 4}
     assert host1 is None and "[specjax]" not in outs[2]  # only process 0 prints
     assert host0["all_tokens"] == single["all_tokens"]
+
+
+def test_pod_scripts_check_their_arguments_before_any_work(tmp_path, capsys):
+    """scripts/dry_run.py and scripts/generate_sharded.py, in process: bad counts, values,
+    conflicting options and prompts files end with one line and status 2 before JAX is
+    set up (a bug hunt found tracebacks after the models were built, and options ignored)."""
+    import scripts.dry_run as dry
+    import scripts.generate_sharded as gen
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('[1, 2]\n{"tok": [3]}\n')
+    cases = [(dry.main, ["ci-small_cpu-8", "--devices", "-1"], "--devices must be >= 1"),
+             (dry.main, ["ci-small_cpu-8", "--k", "0"], "--k must be >= 1"),
+             (dry.main, ["ci-small_cpu-8", "--hlo-out", str(tmp_path)], "not a file in an existing folder"),
+             (gen.main, ["--pod", "ci-small_cpu-8", "--batch", "0"], "--batch must be >= 1"),
+             (gen.main, ["--pod", "ci-small_cpu-8", "--temperature", "nan"], "--temperature must be a finite"),
+             (gen.main, ["--pod", "ci-small_cpu-8", "--seed", "-1"], "--seed: seed must be"),
+             (gen.main, ["--pod", "ci-small_cpu-8", "--random-weights", "--target-ckpt", "x"], "do not apply"),
+             (gen.main, ["--pod", "ci-small_cpu-8", "--prompts-file", str(bad)], "line 2: expected a JSON list"),
+             (gen.main, ["--pod", "ci-small_cpu-8", "--prompts-file", str(bad), "--batch", "2"], "do not apply")]
+    for main, argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and err.count("\n") == 1, (argv, err)

@@ -3,6 +3,7 @@ prompt set it runs on."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -134,11 +135,22 @@ class BenchConfig:
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ValueError(f"methods must be among {METHODS}, got {bad}")
+        empty = [k for k in ("temperatures", "methods", "batch_sizes") if not getattr(self, k)]
+        if empty:  # an empty grid would time nothing and write an empty benchmark.json
+            raise ValueError(f"{', '.join(empty)} must not be empty")
+        for k in ("repeats", "max_new_tokens", "num_prompts", "seed", "tree_topk", "tree_nodes"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{k} must be an integer, got {v!r}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if any(k < 1 for k in self.peer_ks):
+            raise ValueError(f"peer_ks must be >= 1, got {list(self.peer_ks)}")
         ks_all = set(self.ks).union(*(set(_as_tuple(v)) for _, v in self.ks_by_batch))
         if any(k != "auto" and k < 1 for k in ks_all) or any(b < 1 for b in self.batch_sizes):
             raise ValueError("K and batch sizes must be >= 1 (or K 'auto')")
-        if any(t < 0 for t in self.temperatures):
-            raise ValueError("temperatures must be >= 0")
+        if any(not math.isfinite(t) or t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be finite and >= 0, got {list(self.temperatures)}")
         if self.repeats < 1 or self.max_new_tokens < 1 or self.num_prompts < 1:
             raise ValueError("repeats, max_new_tokens and num_prompts must be >= 1")
         if self.peer_schedules and any(s not in ("constant", "heuristic") for s in self.peer_schedules):
@@ -146,6 +158,8 @@ class BenchConfig:
         if self.dataset is not None:
             self.dataset_spec()  # checked now, before anything loads
         for b in self.batch_sizes:
+            if not self.ks_for(b):
+                raise ValueError(f"no K to time at batch {b}: give ks (or ks_by_batch[{b}])")
             r = self.rows_for(b)
             if r % b:
                 raise ValueError(f"rows_by_batch[{b}] = {r} is not a multiple of the batch size")
