@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -30,12 +31,51 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PROMPTS = os.path.join(REPO, "configs", "bench", "prompts.txt")
+
+
+def _ints(ap, flag, text, allow_empty=False) -> list:
+    """Comma-separated integers >= 1 (``allow_empty``: "" is no values)."""
+    parts = [x.strip() for x in text.split(",")] if text.strip() else []
+    try:
+        out = [int(x) for x in parts]
+    except ValueError:
+        out = None
+    if out is None or any(x < 1 for x in out) or not (out or allow_empty):
+        ap.error(f"{flag}: expected comma-separated integers >= 1, got {text!r}")
+    return out
+
+
+def _temps(ap, text) -> list:
+    """Comma-separated finite temperatures >= 0."""
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = None
+    if not out or not all(math.isfinite(t) and t >= 0 for t in out):
+        ap.error(f"--temps: expected comma-separated finite temperatures >= 0, got {text!r}")
+    from specjax.sampling import SamplingConfig
+
+    for t in out:  # the engines' own checks (e.g. float32's range)
+        try:
+            SamplingConfig(temperature=t)
+        except ValueError as e:
+            ap.error(f"--temps {t}: {str(e).splitlines()[0]}")
+    return out
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser
+
+    ap = OneLineParser(prog="bench_auto_ab.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="16,4")
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--max-new", type=int, default=48)
-    ap.add_argument("--prompts", default="configs/bench/prompts.txt")
+    ap.add_argument("--prompts", default=None,
+                    help="prompts, one a line, '#' lines comments (default: configs/bench/prompts.txt in the "
+                         "repository; a relative path given here is from the current directory)")
     ap.add_argument("--fresh-costs", action="store_true", help="measure the cost tables anew (temporary cache)")
     ap.add_argument("--ks", default="", help="fixed K values to time as well, e.g. 2,3")
     ap.add_argument("--groups", type=int, default=1, help="batches of different prompts per timed call")
@@ -45,11 +85,22 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.passes < 1 or a.groups < 1 or a.max_new < 1:
         ap.error("--passes, --groups and --max-new must be >= 1")
+    batches, ks, temps = _ints(ap, "--batches", a.batches), _ints(ap, "--ks", a.ks, True), _temps(ap, a.temps)
+    a.prompts = DEFAULT_PROMPTS if a.prompts is None else os.path.abspath(a.prompts)
+    from scripts.bench.config import read_prompts
+
+    try:
+        texts = read_prompts(a.prompts)
+    except UnicodeDecodeError as e:
+        ap.error(f"--prompts {a.prompts}: not UTF-8 text (byte {e.start})")
+    except OSError as e:
+        ap.error(f"--prompts {a.prompts}: cannot read it ({e.strerror or type(e).__name__})")
+    if not texts:
+        ap.error(f"--prompts {a.prompts}: no prompts (only blank or '#' comment lines)")
     if a.fresh_costs:
         os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-costs-")
     import numpy as np
 
-    from scripts.bench.config import read_prompts
     from specjax import build, sampling
 
     target, tok, _ = build.load_target("default", **({"weight_blocks": False} if a.float_weights else {}))
@@ -57,9 +108,8 @@ def main(argv=None) -> int:
     draft, _ = build.resolve_draft("default", target)
     ar = build.make_autoregressive_engine(target)
     auto = build.make_engine(target, draft, "auto")
-    fixed = {int(k): build.make_engine(target, draft, int(k)) for k in a.ks.split(",") if k}
-    texts = read_prompts(a.prompts)
-    for b in (int(x) for x in a.batches.split(",")):
+    fixed = {k: build.make_engine(target, draft, k) for k in ks}
+    for b in batches:
         groups = [[tok.encode_user(texts[(g * b + i) % len(texts)]) for i in range(b)]
                   for g in range(a.groups)]
         ids = groups[0]
@@ -69,7 +119,7 @@ def main(argv=None) -> int:
         table = auto.costs_for(b, like=like)
         print(f"batch {b}: k=auto cost table (ms per round drafting 0..K tokens): "
               f"{', '.join(f'{1e3 * x:.1f}' for x in table)} ({time.time() - t0:.0f} s)", flush=True)
-        for temp in (float(x) for x in a.temps.split(",")):
+        for temp in temps:
             sp = sampling.SamplingConfig(temperature=temp)
 
             def run(eng):

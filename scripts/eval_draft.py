@@ -6,7 +6,6 @@ wall times against autoregressive decoding of the same prompts (each program com
 it is timed)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -14,30 +13,67 @@ import time
 import numpy as np
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_FILE = os.path.join(REPO, "configs", "train", "prompts_heldout.txt")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("draft")
+    from specjax.cli import ModelSource, OneLineParser
+
+    ap = OneLineParser(prog="eval_draft.py", description=__doc__.splitlines()[0])
+    ap.add_argument("draft", help="a draft spec or file, as specjax generate --draft takes (not 'none')")
     ap.add_argument("--k", type=int, default=None, help="draft tokens per round (default: specjax.build.DEFAULT_K)")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--file", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                                                   "train", "prompts_heldout.txt"))
+    ap.add_argument("--file", default=DEFAULT_FILE,
+                    help="prompts, one a line, '#' lines comments (default: configs/train/prompts_heldout.txt "
+                         "in the repository; a relative path given here is from the current directory)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=0, help="prompts per generate call (0: all in one batch)")
     ap.add_argument("--no-timing", action="store_true")
     a = ap.parse_args(argv)
     if a.batch < 0 or a.prompts < 1 or a.max_new_tokens < 1:
         ap.error("--batch must be >= 0, --prompts and --max-new-tokens >= 1")
-    if not os.path.isfile(a.file):
-        ap.error(f"--file {a.file!r}: no such file")
-    from specjax import build, engine, sampling
+    if a.k is not None and a.k < 1:
+        ap.error(f"--k must be >= 1, got {a.k}")
+    if a.draft == "none":
+        ap.error("draft 'none' has no draft to measure (give default, lookup, layers:N or a draft file)")
+    a.file = os.path.abspath(a.file)
+    try:
+        with open(a.file, encoding="utf-8") as f:  # '#' lines are comments
+            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")][: a.prompts]
+    except UnicodeDecodeError as e:
+        ap.error(f"--file {a.file}: not UTF-8 text (byte {e.start})")
+    except OSError as e:
+        ap.error(f"--file {a.file}: cannot read it ({e.strerror or type(e).__name__})")
+    if not lines:
+        ap.error(f"--file {a.file}: no prompts (only blank or '#' comment lines)")
+    from specjax import build
+
+    if a.k is None:
+        a.k = build.DEFAULT_K
+    try:  # the target's tokenizer and config from its metadata, the draft's: before any weights load
+        src = ModelSource("gguf", None, "the default model")
+        tok, cfg = src.tokenizer(), src.config()
+    except (OSError, ValueError) as e:
+        ap.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    try:
+        build.check_draft_metadata(a.draft, cfg)
+        if build.draft_layers(a.draft) is not None:
+            from specjax.drafts.model import check_first_layers
+
+            check_first_layers(build.draft_layers(a.draft), cfg.n_layers)
+    except ValueError as e:
+        ap.error(str(e).splitlines()[0])
+    prompts = [tok.encode_user(ln) for ln in lines]
+    limit = cfg.max_position or 1 << 30
+    longest = max(len(p) for p in prompts)
+    if longest + a.max_new_tokens + a.k > limit:
+        ap.error(f"a prompt of {longest} tokens with --max-new-tokens {a.max_new_tokens} and --k {a.k} "
+                 f"exceeds the model's context of {limit} tokens")
+    from specjax import engine, sampling
     from specjax.drafts import make_proposer
 
     target, tok, _ = build.load_target("default")
-    if a.k is None:
-        a.k = build.DEFAULT_K
-    with open(a.file, encoding="utf-8") as f:  # '#' lines are comments
-        lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")][: a.prompts]
-    prompts = [tok.encode_user(ln) for ln in lines]
     size = a.batch or len(prompts)
     # (prompts, their rows' indices): every row keeps its own key whatever the grouping
     groups = [(prompts[i:i + size], list(range(i, min(i + size, len(prompts)))))

@@ -17,7 +17,6 @@ starting with ``#`` are skipped.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -74,25 +73,125 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CACHE = os.path.join(REPO, "data_cache", "eval_heldout")
+
+
+def prompt_file_lines(path) -> list:
+    """The prompts of a file as :func:`specjax.train.distill.prompt_lines` reads them (one a
+    line; blank lines and ``#`` lines skipped); ValueError (one line) for an unreadable,
+    non-UTF-8 or prompt-less file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    if not lines:
+        raise ValueError(f"{path}: no prompts (only blank or '#' comment lines)")
+    return lines
+
+
+def check_writable(path) -> None:
+    """ValueError unless ``path`` can be written (tried now: a file created for the probe is
+    removed again), so that a result is not lost after the whole run."""
+    existed = os.path.lexists(path)
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write it ({e.strerror or type(e).__name__})") from None
+    if not existed:
+        os.remove(path)
+
+
+def _target_metadata(ap):
+    """(tokenizer, config) of the default target from its metadata alone (no weights)."""
+    from specjax.cli import ModelSource
+
+    try:
+        src = ModelSource("gguf", None, "the default model")
+        return src.tokenizer(), src.config()
+    except (OSError, ValueError) as e:
+        ap.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
+def _check_eagle_draft(ap, spec, cfg) -> None:
+    """--draft names an EAGLE head that fits the target: checked from metadata alone."""
+    from specjax import build
+    from specjax.drafts import LOOKUP_NAMES
+    from specjax.drafts.files import SHIPPED, read_draft_meta
+
+    try:
+        build.check_draft_metadata(spec, cfg)
+        if spec == "default":
+            why = None if cfg.name in SHIPPED else f"the default draft of {cfg.name!r} is prompt lookup"
+        elif spec == "none" or spec in LOOKUP_NAMES or build.draft_layers(spec) is not None:
+            why = f"{spec!r} is none"
+        elif spec.endswith(".npz"):
+            kind = read_draft_meta(spec).get("kind")
+            why = None if kind == "eagle" else f"the file holds a {kind!r} draft"
+        else:
+            why = "a draft model is not one"
+    except ValueError as e:
+        ap.error(f"--draft: {str(e).splitlines()[0]}")
+    if why:
+        ap.error(f"--draft {spec}: teacher-forced evaluation needs an EAGLE head ({why})")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", nargs="+", required=True, metavar="FILE", help="prompt files (one message a line)")
+    from specjax.cli import OneLineParser
+
+    ap = OneLineParser(prog="eval_heldout.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
+                    help="prompt files (one message a line; relative paths: from the current directory)")
     ap.add_argument("--draft", default="default", help="default (the shipped head) or a draft file (.npz)")
     ap.add_argument("--max-new", type=int, default=96, help="new tokens per continuation (default 96)")
     ap.add_argument("--positions", type=int, default=4, help="draft positions scored (default 4)")
     ap.add_argument("--samples", type=int, default=1, help="continuations per prompt (default 1)")
     ap.add_argument("--max-prompts", type=int, default=0, help="first N prompts of each file (0: all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache-dir", default="data_cache/eval_heldout")
+    ap.add_argument("--cache-dir", default=None,
+                    help="data cache folder (default: data_cache/eval_heldout in the repository; a "
+                         "relative path given here is from the current directory)")
     ap.add_argument("--eval-batch", type=int, default=4)
     ap.add_argument("--json", metavar="OUT", help="also write the results here")
     a = ap.parse_args(argv)
-    for f in a.prompts:
-        if not os.path.isfile(f):
-            ap.error(f"no such file: {f}")
     for name in ("max_new", "positions", "samples", "eval_batch"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_prompts", "seed"):
+        if getattr(a, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    names = list(a.prompts)  # as given (the table shows these)
+    a.prompts = [os.path.abspath(f) for f in a.prompts]  # from the current directory, not the repo
+    texts = []
+    for f in a.prompts:
+        try:
+            texts.append(prompt_file_lines(f)[:a.max_prompts or None])
+        except ValueError as e:
+            ap.error(f"--prompts {e}")
+    tok, cfg = _target_metadata(ap)
+    _check_eagle_draft(ap, a.draft, cfg)
+    limit = cfg.max_position or 1 << 30
+    for f, lines in zip(names, texts):
+        longest = max(len(tok.encode_user(ln)) for ln in lines)
+        if longest + a.max_new > limit:
+            ap.error(f"--prompts {f}: a prompt of {longest} tokens with --max-new {a.max_new} exceeds the "
+                     f"model's context of {limit} tokens")
+    a.cache_dir = DEFAULT_CACHE if a.cache_dir is None else os.path.abspath(a.cache_dir)
+    if os.path.exists(a.cache_dir) and not os.path.isdir(a.cache_dir):
+        ap.error(f"--cache-dir {a.cache_dir}: not a folder")
+    try:
+        os.makedirs(a.cache_dir, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--cache-dir {a.cache_dir}: not a usable folder ({e.strerror or type(e).__name__})")
+    if a.json:
+        a.json = os.path.abspath(a.json)
+        try:
+            check_writable(a.json)
+        except ValueError as e:
+            ap.error(f"--json {e}")
 
     from specjax import build
     from specjax.drafts.files import load_draft_model
@@ -107,12 +206,12 @@ def main(argv=None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     log(f"draft: {desc['path']}")
     results = []
-    for f in a.prompts:
+    for name, f in zip(names, a.prompts):
         t0 = time.time()
         r = heldout_eval(target, tok, model, f, target_spec=spec, max_new=a.max_new, positions=a.positions,
                          samples=a.samples, max_prompts=a.max_prompts, seed=a.seed, cache_dir=a.cache_dir,
                          eval_batch=a.eval_batch, log=log)
-        r["seconds"] = round(time.time() - t0, 1)
+        r["file"], r["seconds"] = name, round(time.time() - t0, 1)
         log(json.dumps(r))
         results.append(r)
     print(table(results))
