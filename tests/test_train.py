@@ -140,7 +140,7 @@ def test_shipped_training_configs_load():
     dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="target_last",
          feature_layers=[0, 1, 2]),
 ], ids=["target_init", "eagle3"])
-def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files, tmp_path, target, draft):
+def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files, tmp_path, target, draft, capsys):
     kw = dict(steps=12, ckpt_every=4, eval_every=12, warmup=2)
     first = _cfg(prompt_files, tmp_path / "full", draft, **kw)
     for split in ("train", "heldout"):  # generated here unless an earlier test did it
@@ -161,6 +161,7 @@ def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files
         T.train(_cfg(prompt_files, tmp_path / "killed", draft, **dict(kw, lr=5e-3)), target=target)
     T._check_resume(str(tmp_path / "killed"), T.load_config(_cfg(prompt_files, tmp_path / "killed", draft,
                                                                  **dict(kw, steps=20))))
+    _rerun_of_a_finished_run(prompt_files, tmp_path, target, draft, kw, full, capsys)
     if draft["kind"] == "eagle":
         prop = make_proposer(load_draft_model(str(tmp_path / "killed" / "draft.npz"), target), 2, target.vocab_size)
         assert prop.hidden_layers == (0, 1, 2)
@@ -168,6 +169,118 @@ def test_resume_after_kill_matches_uninterrupted_and_data_is_cached(prompt_files
     # frozen embedding: the exported file holds no embedding and loads from the target
     prop = make_proposer(load_draft_model(str(tmp_path / "killed" / "draft.npz"), target), 2, target.vocab_size)
     np.testing.assert_array_equal(prop.model.canonical_weights()["embed"], target.canonical_weights()["embed"])
+
+
+def _train_draft_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_draft", os.path.join(T.REPO, "scripts", "train_draft.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _script(argv, capsys):
+    """scripts/train_draft.py's main in this process: (exit status, stdout, stderr)."""
+    try:
+        rc = _train_draft_script().main(argv)
+    except SystemExit as e:  # the parser's usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _yaml(path, d):
+    import yaml
+
+    path.write_text(yaml.safe_dump(d))
+    return str(path)
+
+
+def _files_of(d):
+    return {f: os.stat(os.path.join(d, f)).st_mtime_ns for f in os.listdir(d) if os.path.isfile(os.path.join(d, f))}
+
+
+def _rerun_of_a_finished_run(prompt_files, tmp_path, target, draft, kw, full, capsys):
+    """A finished run's folder: fewer steps than checkpointed, or a --stop-after at or
+    below them, is refused (exit 2, one line, before the target loads, nothing written); a
+    plain rerun keeps its recorded results (script and library); a run killed before its
+    summary gets its evaluation redone."""
+    out = tmp_path / "full"
+    cfg_path = _yaml(tmp_path / "full.yaml", _cfg(prompt_files, out, draft, **kw))
+    before = _files_of(out)
+    for argv, msg in [(["--steps", "6"], "holds a checkpoint at step 12, past train.steps=6"),
+                      (["--stop-after", "6"], "already at step 12")]:
+        rc, _, err = _script([cfg_path, *argv], capsys)
+        assert rc == 2 and err.count("\n") == 1 and msg in err, (argv, rc, err)
+    rc, stdout, err = _script([cfg_path], capsys)
+    assert rc == 0 and "complete 12-step run" in err, err
+    assert json.loads(stdout)["eval"] == full["eval"] is not None
+    again = T.train(_cfg(prompt_files, out, draft, **kw), target=target)
+    assert again["eval"] == full["eval"]
+    for a, b in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(again["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert _files_of(out) == before  # nothing rewritten
+    os.remove(out / "summary.json")  # killed after the last checkpoint: evaluated again
+    redone = T.train(_cfg(prompt_files, out, draft, **kw), target=target)
+    assert redone["eval"] == full["eval"]
+    with open(out / "summary.json") as f:
+        assert json.load(f)["eval"] == full["eval"]
+
+
+def test_script_refuses_bad_input_before_work(prompt_files, tmp_path, monkeypatch, capsys):
+    """scripts/train_draft.py: bad options and configs are one-line errors with exit status 2
+    before the target loads, and nothing is written to the out dir."""
+    def no_work(*a, **k):
+        raise AssertionError("started work")
+
+    monkeypatch.setattr(T, "load_target", no_work)
+    monkeypatch.setattr(T, "train", no_work)
+    out = tmp_path / "out"
+    base = _cfg(prompt_files, out, dict(kind="target_init", n_layers=1))
+    good = _yaml(tmp_path / "good.yaml", base)
+    (tmp_path / "file").write_text("x")
+    cases = [
+        ([good, "--time-budget", "nan"], "--time-budget must be a finite number"),
+        ([good, "--time-budget", "inf"], "--time-budget must be a finite number"),
+        ([good, "--time-budget", "0"], "--time-budget must be a finite number"),
+        ([good, "--stop-after", "-1"], "--stop-after must be >= 1"),
+        ([good, "--out-dir", ""], "--out-dir must not be empty"),
+        ([good, "--data-only", "--steps", "5"], "--steps does not apply to --data-only"),
+        ([good, "--data-only", "--stop-after", "3"], "--stop-after does not apply to --data-only"),
+        ([good, "--data-only", "--time-budget", "9"], "--time-budget does not apply to --data-only"),
+        ([good, "--steps", "x"], "invalid int value"),
+        ([good, "--steps", "0"], "train.steps must be >= 1"),
+        ([good, "--out-dir", str(tmp_path / "file")], "cannot create the folder"),
+        ([good, "--out-dir", str(tmp_path / "file" / "sub")], "cannot create the folder"),
+        ([_yaml(tmp_path / "seed.yaml", dict(base, seed=99999999999999999999))], "seed must be < 2**32"),
+        ([_yaml(tmp_path / "ts.yaml", dict(base, target=dict(base["target"], seed=2 ** 32)))], "target.seed"),
+        ([_yaml(tmp_path / "t5.yaml", dict(base, train=5))], "train must be a mapping"),
+        ([_yaml(tmp_path / "tg.yaml", dict(base, target=5))], "target must be a mapping"),
+        ([_yaml(tmp_path / "l5.yaml", dict(base, train=dict(base["train"], losses=5)))], "train.losses must be"),
+        ([_yaml(tmp_path / "tc.yaml", dict(base, target=dict(base["target"], config=dict(TINY, x=1))))], "target.config"),
+        ([_yaml(tmp_path / "od.yaml", dict(base, train=dict(base["train"], out_dir=5)))], "train.out_dir"),
+        ([_yaml(tmp_path / "pg.yaml", dict(base, train=dict(base["train"], progress="yes")))], "train.progress"),
+        ([str(tmp_path / "missing.yaml")], "No such file"),
+    ]
+    if os.path.isdir("/proc/self"):  # Linux: no folder can be made there
+        cases.append(([good, "--out-dir", "/proc/x"], "cannot create the folder"))
+    for argv, msg in cases:
+        rc, stdout, err = _script(argv, capsys)
+        assert rc == 2 and err.count("\n") == 1 and msg in err and not stdout, (argv, rc, err)
+    assert not out.exists() and not os.path.exists("/proc/x")
+
+
+def test_script_paths_are_the_current_directory(prompt_files, tmp_path, monkeypatch, capsys):
+    """The config path and --out-dir of scripts/train_draft.py are the current directory's."""
+    got = []
+    monkeypatch.setattr(T, "train", lambda cfg, **kw: got.append(cfg) or {"steps": cfg.train.steps})
+    _yaml(tmp_path / "cfg.yaml", _cfg(prompt_files, tmp_path / "unused", dict(kind="target_init", n_layers=1)))
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b")
+    rc, _, err = _script(["../../cfg.yaml", "--out-dir", "../../x"], capsys)
+    assert rc == 0, err
+    assert got[0].train.out_dir == str(tmp_path / "x") and (tmp_path / "x").is_dir()
 
 
 def test_time_budget_picks_steps_and_equals_a_fixed_step_run(prompt_files, tmp_path, target):

@@ -35,7 +35,9 @@ position (EAGLE: positions 1..eval_positions along its own feature chain; token-
 see teacher-forced tokens, so one number serves every position).
 
 Checkpoints: orbax, every ``ckpt_every`` steps and at the end; a restarted run resumes from
-the latest and ends with the same parameters as an uninterrupted one.
+the latest and ends with the same parameters as an uninterrupted one. Asking for fewer steps
+than are checkpointed is refused; rerunning a finished run keeps its recorded results.
+Relative paths in a training config (prompts, cache_dir, out_dir) are from the repository root.
 """
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ class ConfigError(ValueError):
 
 
 def _strict(cls, d: Optional[Mapping], where: str):
+    if d is not None and not isinstance(d, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {d!r}")
     d = dict(d or {})
     names = {f.name for f in dataclasses.fields(cls)}
     extra = sorted(set(d) - names)
@@ -89,6 +93,22 @@ def _int(v, name, lo=None):
         _check(v >= lo, f"{name} must be >= {lo}, got {v}")
 
 
+SEED_LIMIT = 2 ** 32  # model init keys keep 32 bits of a seed (jax.random.key): larger ones would collide
+
+
+def _seed(v, name):
+    _int(v, name, 0)
+    _check(v < SEED_LIMIT, f"{name} must be < 2**32, got {v}")
+
+
+def _str(v, name):
+    _check(isinstance(v, str) and v != "", f"{name} must be a non-empty string, got {v!r}")
+
+
+def _bool(v, name):
+    _check(isinstance(v, bool), f"{name} must be true or false, got {v!r}")
+
+
 def _num(v, name, lo=None, hi=None, lo_open=False):
     _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
            f"{name} must be a finite number, got {v!r}")
@@ -109,7 +129,7 @@ class TargetSpec:
 
     def __post_init__(self):
         _check(self.kind in ("default", "tiny"), f"target.kind must be 'default' or 'tiny', got {self.kind!r}")
-        _int(self.seed, "target.seed", 0)
+        _seed(self.seed, "target.seed")
         _check(self.overrides is None or isinstance(self.overrides, dict), "target.overrides must be a mapping")
         if self.overrides:
             from specjax.models.llama import LlamaConfig
@@ -145,6 +165,7 @@ class DataConfig:
         for f in ("samples_per_prompt", "max_new_tokens", "gen_batch", "teacher_batch", "topk"):
             _int(getattr(self, f), f"data.{f}", 1)
         _num(self.temperature, "data.temperature", 0.0)
+        _str(self.cache_dir, "data.cache_dir")
         for f in ("prompts", "heldout"):
             v = getattr(self, f)
             if isinstance(v, (list, tuple)):
@@ -221,6 +242,11 @@ class TrainConfig:
         _num(self.clip, "train.clip", 0.0, lo_open=True)
         _check(self.export_dtype in ("float32", "float16"),
                f"train.export_dtype must be float32 or float16, got {self.export_dtype!r}")
+        _str(self.out_dir, "train.out_dir")
+        _bool(self.progress, "train.progress")
+        _bool(self.prompt_positions, "train.prompt_positions")
+        _check(self.losses is None or isinstance(self.losses, Mapping),
+               f"train.losses must be a mapping of loss weights, got {self.losses!r}")
         losses = dict(self.losses or {"fkl": 1.0})
         bad = sorted(set(losses) - set(LOSSES))
         _check(not bad, f"train.losses: unknown losses {bad} (known: {list(LOSSES)})")
@@ -270,7 +296,7 @@ def load_config(src) -> RunConfig:
     if extra:
         raise ConfigError(f"unknown top-level keys {extra}")
     seed = d.get("seed", 0)
-    _int(seed, "seed", 0)
+    _seed(seed, "seed")
     cfg = RunConfig(
         seed=seed,
         target=_strict(TargetSpec, d.get("target"), "target"),
@@ -278,7 +304,10 @@ def load_config(src) -> RunConfig:
         draft=_strict(DraftConfig, d.get("draft"), "draft"),
         train=_strict(TrainConfig, d.get("train"), "train"),
     )
-    v = target_vocab(cfg.target)
+    try:
+        v = target_vocab(cfg.target)
+    except (TypeError, ValueError) as e:  # a tiny target's config: unknown or bad fields
+        raise ConfigError(f"target.config: {e}") from None
     dc = cfg.draft.config or {}
     if "vocab_size" in dc and dc["vocab_size"] != v:
         raise ConfigError(f"vocabulary mismatch: the draft has V={dc['vocab_size']}, the target V={v}")
@@ -864,21 +893,56 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _check_resume(out_dir, cfg: RunConfig) -> None:
-    """:class:`ResumeError` when ``out_dir`` holds checkpoints of a run whose config differs from
-    ``cfg`` in more than :data:`RESUMABLE` (a resume would mix two runs, or fail inside
-    orbax on other shapes)."""
+def _check_resume(out_dir, cfg: RunConfig) -> Optional[int]:
+    """The step of the latest checkpoint in ``out_dir`` (None: none), or :class:`ResumeError`
+    when those checkpoints are of a run whose config differs from ``cfg`` in more than
+    :data:`RESUMABLE` (a resume would mix two runs, or fail inside orbax on other shapes), or
+    are past ``train.steps`` (their weights are not a run of that many steps). Writes nothing."""
+    if not os.path.isdir(os.path.join(out_dir, "ckpt")):
+        return None
+    step = _ckpt_manager(out_dir).latest_step()
     path = os.path.join(out_dir, "config.json")
-    if not os.path.isfile(path) or _ckpt_manager(out_dir).latest_step() is None:
-        return
-    with open(path) as f:
-        old = _flat(json.load(f))
-    new = _flat(json.loads(json.dumps(cfg.to_dict())))
-    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE]
-    if diff:
-        verb = "differs" if len(diff) == 1 else "differ"
-        raise ResumeError(f"{out_dir} holds checkpoints of a run with another config ({', '.join(diff[:6])}"
-                          f"{' ...' if len(diff) > 6 else ''} {verb}): give a new out_dir, or remove it to start over")
+    if step is None:
+        return None
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = _flat(json.load(f))
+        new = _flat(json.loads(json.dumps(cfg.to_dict())))
+        diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE]
+        if diff:
+            verb = "differs" if len(diff) == 1 else "differ"
+            raise ResumeError(f"{out_dir} holds checkpoints of a run with another config ({', '.join(diff[:6])}"
+                              f"{' ...' if len(diff) > 6 else ''} {verb}): give a new out_dir, "
+                              "or remove it to start over")
+    if step > cfg.train.steps:
+        raise ResumeError(f"{out_dir} holds a checkpoint at step {step}, past train.steps={cfg.train.steps}: "
+                          f"ask for {step} steps or more, or give a new out_dir")
+    return step
+
+
+def finished_run(cfg: RunConfig) -> Optional[dict]:
+    """The summary of the complete run of ``cfg`` in its out_dir (its checkpoint at
+    ``train.steps`` and its summary.json), else None; :func:`_check_resume`'s errors. A rerun
+    of a finished run keeps its results (:func:`train` trains nothing and writes nothing)."""
+    out_dir = _path(cfg.train.out_dir)
+    if _check_resume(out_dir, cfg) != cfg.train.steps:
+        return None
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):  # killed before the summary: train() evaluates and writes it
+        return None
+    return summary if isinstance(summary, dict) and summary.get("steps") == cfg.train.steps else None
+
+
+def make_out_dir(out_dir: str) -> None:
+    """Create the output folder (and its parents), or :class:`ConfigError` in one line."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"train.out_dir: cannot create the folder {out_dir} ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ConfigError(f"train.out_dir: {out_dir} is not writable")
 
 
 def _save(mngr, step, state):
@@ -980,17 +1044,20 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     after that many steps (no final checkpoint). ``time_budget`` (seconds from the call)
     sets ``train.steps`` to what fits (:func:`fit_steps`; reported, so the run can be
     repeated with that fixed step count), keeping ``reserve_s`` for the final checkpoint and
-    export (``clock``: see :func:`fit_steps`). Returns a summary dict."""
+    export (``clock``: see :func:`fit_steps`). Returns a summary dict (with ``params``). A
+    rerun of a complete run (:func:`finished_run`) trains and writes nothing and returns the
+    recorded summary; checkpoints past ``train.steps`` are refused (:class:`ResumeError`)."""
     t_call = clock()
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
     tc = cfg.train
     out_dir = _path(tc.out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     log = log or (lambda s: print(s, flush=True))
-    _check_resume(out_dir, cfg)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
+    done = finished_run(cfg)  # and ResumeError for checkpoints of another config / past train.steps
+    if done is None:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
     if target is None:
         target, tokenizer = load_target(cfg.target)
     train_data = build_data(cfg, "train", target, tokenizer, log)
@@ -998,7 +1065,7 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     draft = build_draft(cfg, target, train_data)
     v = target.config.vocab_size
     keys = ["tokens", "lengths", "prompt_lens", "topk_p", "topk_idx"] + ([draft.feature_key] if draft.feature_key else [])
-    if time_budget is not None:
+    if time_budget is not None and done is None:
         steps = fit_steps(cfg, draft, v, train_data, held, keys, t_call + time_budget, log,
                           reserve_s=reserve_s, clock=clock)
         tc = dataclasses.replace(tc, steps=steps)
@@ -1012,6 +1079,12 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
     mngr = _ckpt_manager(out_dir)
     start, state = _restore(mngr, state)
     start = start or 0
+    if done is not None:
+        log(f"[train] {out_dir} holds the complete {tc.steps}-step run: nothing to train, its results are kept")
+        return dict(done, params=state[0])
+    if start > tc.steps:  # a time budget that fits fewer steps than are checkpointed
+        raise ResumeError(f"{out_dir} holds a checkpoint at step {start}, past the {tc.steps} steps "
+                          "the time budget fits: give a new out_dir")
     mpath = os.path.join(out_dir, "metrics.jsonl")
     kept = []
     if start and os.path.isfile(mpath):  # drop lines past the checkpoint (they will be redone)
@@ -1075,6 +1148,9 @@ def train(cfg, *, stop_after: Optional[int] = None, log=None, target=None, token
                     _export_at(cfg, draft, state[0], out_dir, ntrain, last_eval, s1)
             if s1 % tc.ckpt_every == 0 or s1 == tc.steps:
                 _save(mngr, s1, state)
+        if last_eval is None:  # nothing was left to train (killed before the summary): evaluate
+            last_eval = evaluate(ev, state[0], held, tc.eval_batch)
+            log(f"[eval] step {tc.steps}: {last_eval}")
     if bar:
         bar.close()
     draft.trainable = state[0]
