@@ -87,16 +87,12 @@ def main(argv=None) -> int:
         ap.error("--passes, --groups and --max-new must be >= 1")
     batches, ks, temps = _ints(ap, "--batches", a.batches), _ints(ap, "--ks", a.ks, True), _temps(ap, a.temps)
     a.prompts = DEFAULT_PROMPTS if a.prompts is None else os.path.abspath(a.prompts)
-    from scripts.bench.config import read_prompts
+    from specjax.configs import read_prompt_file
 
     try:
-        texts = read_prompts(a.prompts)
-    except UnicodeDecodeError as e:
-        ap.error(f"--prompts {a.prompts}: not UTF-8 text (byte {e.start})")
-    except OSError as e:
-        ap.error(f"--prompts {a.prompts}: cannot read it ({e.strerror or type(e).__name__})")
-    if not texts:
-        ap.error(f"--prompts {a.prompts}: no prompts (only blank or '#' comment lines)")
+        texts = read_prompt_file(a.prompts)
+    except ValueError as e:
+        ap.error(f"--prompts {e}")
     if a.fresh_costs:
         os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-costs-")
     import numpy as np

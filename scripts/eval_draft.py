@@ -38,15 +38,12 @@ def main(argv=None):
     if a.draft == "none":
         ap.error("draft 'none' has no draft to measure (give default, lookup, layers:N or a draft file)")
     a.file = os.path.abspath(a.file)
-    try:
-        with open(a.file, encoding="utf-8") as f:  # '#' lines are comments
-            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")][: a.prompts]
-    except UnicodeDecodeError as e:
-        ap.error(f"--file {a.file}: not UTF-8 text (byte {e.start})")
-    except OSError as e:
-        ap.error(f"--file {a.file}: cannot read it ({e.strerror or type(e).__name__})")
-    if not lines:
-        ap.error(f"--file {a.file}: no prompts (only blank or '#' comment lines)")
+    from specjax.configs import read_prompt_file
+
+    try:  # '#' lines are comments
+        lines = read_prompt_file(a.file)[: a.prompts]
+    except ValueError as e:
+        ap.error(f"--file {e}")
     from specjax import build
 
     if a.k is None:

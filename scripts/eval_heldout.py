@@ -77,22 +77,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CACHE = os.path.join(REPO, "data_cache", "eval_heldout")
 
 
-def prompt_file_lines(path) -> list:
-    """The prompts of a file as :func:`specjax.train.distill.prompt_lines` reads them (one a
-    line; blank lines and ``#`` lines skipped); ValueError (one line) for an unreadable,
-    non-UTF-8 or prompt-less file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
-    if not lines:
-        raise ValueError(f"{path}: no prompts (only blank or '#' comment lines)")
-    return lines
-
-
 def check_writable(path) -> None:
     """ValueError unless ``path`` can be written (tried now: a file created for the probe is
     removed again), so that a result is not lost after the whole run."""
@@ -163,12 +147,14 @@ def main(argv=None) -> int:
     for name in ("max_prompts", "seed"):
         if getattr(a, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    from specjax.configs import read_prompt_file
+
     names = list(a.prompts)  # as given (the table shows these)
     a.prompts = [os.path.abspath(f) for f in a.prompts]  # from the current directory, not the repo
     texts = []
     for f in a.prompts:
         try:
-            texts.append(prompt_file_lines(f)[:a.max_prompts or None])
+            texts.append(read_prompt_file(f)[:a.max_prompts or None])
         except ValueError as e:
             ap.error(f"--prompts {e}")
     tok, cfg = _target_metadata(ap)

@@ -69,3 +69,19 @@ def load_config(name_or_path: PathLike, kind: str, allowed: Optional[Iterable[st
     """``(mapping, path)`` of a preset name or a YAML path (see :func:`find_config`)."""
     path = find_config(name_or_path, kind, what)
     return read_yaml(path, allowed), path
+
+
+def read_prompt_file(path) -> list:
+    """The prompts of a file given on a command line (one a line; blank lines and ``#``
+    lines skipped; a relative path is the current directory's); ValueError (one line) for
+    an unreadable, non-UTF-8 or prompt-less file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    if not lines:
+        raise ValueError(f"{path}: no prompts (only blank or '#' comment lines)")
+    return lines

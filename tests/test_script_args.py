@@ -94,13 +94,13 @@ def test_bad_arguments_exit_2_without_model_metadata(files, capsys, monkeypatch)
 
 def test_bench_prompts_are_read_from_the_current_directory(files, monkeypatch):
     from scripts import bench_auto_ab
-    from scripts.bench import config
+    from specjax import configs
 
     class Loaded(Exception):
         pass
 
-    read, real = [], config.read_prompts
-    monkeypatch.setattr(config, "read_prompts", lambda p: read.append((p, real(p))) or read[-1][1])
+    read, real = [], configs.read_prompt_file
+    monkeypatch.setattr(configs, "read_prompt_file", lambda p: read.append((p, real(p))) or read[-1][1])
     monkeypatch.setattr(build, "load_target", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
     os.makedirs("configs/bench")
     (files / "configs/bench/prompts.txt").write_text("not the checkout's prompts\n")
