@@ -816,8 +816,8 @@ class _Sharded:
         """Run ``batch`` in chunks of ``chunk`` loop iterations with the loop state kept on
         the devices (donated from chunk to chunk), yielding after each chunk the tokens
         every row committed in it; returns the :class:`GenerateOutput`. The chunks run the
-        same rounds with the same keys as :meth:`generate`, so the tokens are the same."""
-        chunk = _count("chunk", chunk)
+        same rounds with the same keys as :meth:`generate`, so the tokens are the same.
+        ``chunk``: checked by the callers (:func:`_chunk`), when the stream is made."""
         self._measure_streamed(batch, static_opts)
         args, static = self._call_args(batch, **static_opts)
         start, advance, finish = self._stream_executables(args, static)
