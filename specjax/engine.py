@@ -128,6 +128,39 @@ def context_limit(model) -> Optional[int]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def memory_limit() -> Optional[int]:
+    """Bytes the local devices can hold in all (None where unknown): the host's physical
+    memory for CPU devices (they share it), else the sum of the devices' own limits."""
+    devs = jax.local_devices()
+    if devs[0].platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        return int(sum(d.memory_stats()["bytes_limit"] for d in devs))
+    except (TypeError, KeyError, AttributeError, NotImplementedError, RuntimeError):
+        return None
+
+
+def check_cache_memory(model, rows: int, cache_len: int) -> None:
+    """ValueError (one line) where the model's KV cache for ``rows`` rows of ``cache_len``
+    slots alone would not fit in :func:`memory_limit`: a clear error before any work
+    instead of an allocation failure (or, on a CPU, the process killed) after a compile. A
+    model without a context length (a random test model) takes any ``max_new_tokens``."""
+    limit = memory_limit()
+    init = getattr(model, "init_cache", None)
+    if limit is None or init is None:
+        return
+    shapes = jax.eval_shape(lambda: init(int(rows), int(cache_len)))
+    need = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    if need > limit:
+        raise ValueError(f"the KV cache of {rows} row(s) x {cache_len} positions needs {need / 2 ** 30:.1f} GiB, "
+                         f"more than the devices' {limit / 2 ** 30:.1f} GiB: lower max_new_tokens, the prompts' "
+                         "length or the batch size")
+
+
 def out_cap_for(max_new_tokens: int) -> int:
     """Output buffer slots for ``max_new_tokens`` (a bucket, so lengths share programs)."""
     return bucket(int(max_new_tokens), 32)
@@ -1992,6 +2025,7 @@ class SpeculativeEngine(_Sharded):
     def _call_args(self, batch: Batch, costs=None, hints=_OWN):
         """(the program's arguments, its static settings) for ``batch``; ``hints``: as
         ``_hints_of(batch)`` unless given (a dataset run's, of the whole dataset)."""
+        check_cache_memory(self.target, batch.size, batch.cache_len)
         if costs is None:
             costs = self.costs_for(batch.size, like=batch) if self.adaptive else np.ones(self.k + 1)
         args = (self._placed(self.target.params, "target"), self._placed(self.proposer.params, "draft"),
@@ -2043,6 +2077,7 @@ class SpeculativeEngine(_Sharded):
         returns for the same arguments (the same rounds with the same keys). Each chunk
         ends with one transfer of the token buffer to the host."""
         batch = self.prepare(prompts, **kwargs)
+        check_cache_memory(self.target, batch.size, batch.cache_len)  # at creation, as every check
         return TokenStream(self._stream(batch, _chunk(chunk), {}, True, raise_on_error))
 
     def compile(self, prompts, *, stream: bool = False, dataset_batch: Optional[int] = None,
@@ -2154,6 +2189,7 @@ class AutoregressiveEngine(_Sharded):
     def _call_args(self, batch: Batch, greedy: bool = False, hints=_OWN):
         if not isinstance(greedy, (bool, np.bool_)):
             raise TypeError(f"greedy must be True or False, got {greedy!r}")
+        check_cache_memory(self.target, batch.size, batch.cache_len)
         if greedy:
             batch = dataclasses.replace(batch, params=_all_greedy(batch.params))
         args = (self._placed(self.target.params, "target"), *self._device_inputs(batch))
@@ -2177,6 +2213,7 @@ class AutoregressiveEngine(_Sharded):
                **kwargs) -> "TokenStream":
         """As :meth:`SpeculativeEngine.stream` (``chunk``: decoding steps per chunk)."""
         batch = self.prepare(prompts, **kwargs)
+        check_cache_memory(self.target, batch.size, batch.cache_len)  # at creation, as every check
         return TokenStream(self._stream(batch, _chunk(chunk), dict(greedy=greedy), False, raise_on_error))
 
     def compile(self, prompts, *, greedy=False, stream: bool = False,

@@ -498,6 +498,38 @@ def test_numpy_integers_as_k_and_calibration_sizes(target, draft):
         build.make_engine(target, draft, k="auto", memo=False).calibrate(0)
 
 
+def test_a_cache_larger_than_memory_is_an_error_before_any_work(target, draft, monkeypatch):
+    """A KV cache that cannot fit the devices is a one-line error before the program is
+    compiled or run, for every way of calling the engines (a benchmark run with a huge
+    max_new_tokens was killed by the kernel instead); a dataset run sizes it by its slots."""
+    assert engine.memory_limit() > 2 ** 30  # this machine's memory, read
+    rows, length = 4, engine.cache_len_for(2, 8, 2)
+    need = int(np.prod(target.init_cache(rows, length).k.shape)) * 4 * 2 + 4 * rows  # k, v, lengths
+    engine.check_cache_memory(target, rows, length)
+    monkeypatch.setattr(engine, "memory_limit", lambda: need - 1)
+    with pytest.raises(ValueError, match=r"KV cache of 4 row\(s\) x \d+ positions needs"):
+        engine.check_cache_memory(target, rows, length)
+    prompts = [[1, 2]] * 4
+    calls = 0
+
+    def count(*a, **k):
+        nonlocal calls
+        calls += 1
+        pytest.fail("compiled")
+
+    for eng in (engine.AutoregressiveEngine(target), build.make_engine(target, draft, k=2, memo=False)):
+        monkeypatch.setattr(eng, "_executable", count)
+        for call in (eng.generate, eng.stream, eng.compile):
+            with pytest.raises(ValueError, match="KV cache"):
+                call(prompts, seed=0, max_new_tokens=8)
+        with pytest.raises(ValueError, match="KV cache"):
+            eng.generate_dataset(prompts * 2, batch_size=4, seed=0, max_new_tokens=8)
+        monkeypatch.setattr(engine, "memory_limit", lambda: need)  # exactly enough
+        engine.check_cache_memory(target, rows, length)
+        monkeypatch.setattr(engine, "memory_limit", lambda: need - 1)
+    assert calls == 0
+
+
 def test_a_row_with_no_possible_token_is_an_error_not_minus_ones(target):
     """A penalty that pushes the only allowed token to -inf leaves nothing to draw: the
     autoregressive engine committed sample()'s -1 as tokens, silently (a bug hunt); it
