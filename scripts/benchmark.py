@@ -56,6 +56,7 @@ from scripts.bench.report import (  # noqa: E402
 from scripts.bench.timing import Runner, StepTimer, exactness, run_specjax  # noqa: E402
 from specjax.build import check_draft_spec, check_layer_settings, load_target, resolve_draft  # noqa: E402
 from specjax.cli import OneLineParser  # noqa: E402
+from specjax.configs import check_writable  # noqa: E402
 
 
 def _csv(typ):
@@ -120,6 +121,32 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def check_lengths(cfg, target, ids, ds_prompts) -> None:
+    """ValueError (one line) where the grid's or the dataset workload's longest prompt, its
+    new tokens and the largest K exceed the target's context, or where the largest batch's
+    KV cache alone exceeds the devices' memory: the step timer allocates its caches before
+    any engine could check them."""
+    from specjax.build import AUTO_MAX_K
+    from specjax.engine import cache_len_for, check_cache_memory, context_limit
+
+    def widest(ks):
+        return max([k for k in ks if k != "auto"] + [AUTO_MAX_K] * ("auto" in ks))
+
+    limit = context_limit(target)
+    runs = [("the grid", ids, cfg.max_new_tokens, max(widest(cfg.ks_for(b)) for b in cfg.batch_sizes),
+             max(cfg.batch_sizes))]
+    if ds_prompts is not None:
+        spec, _, ds_ids, _ = ds_prompts
+        runs.append(("the dataset workload", ds_ids, spec.max_new_tokens,
+                     max(spec.k, AUTO_MAX_K) if "auto" in spec.settings else spec.k, spec.batch))
+    for what, prompts, max_new, kmax, batch in runs:
+        longest = max(len(p) for p in prompts)
+        if limit is not None and longest + max_new + kmax > limit:
+            raise ValueError(f"{what}: a prompt of {longest} tokens + max_new_tokens {max_new} + K {kmax} "
+                             f"exceeds the model's context of {limit} tokens")
+        check_cache_memory(target, batch, cache_len_for(longest, max_new, kmax))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -173,9 +200,10 @@ def main(argv=None) -> int:
         md = Path(cfg.markdown) if cfg.markdown and not args.no_markdown else None
         if md is not None:
             md = md if md.is_absolute() else REPO / md
-            if not (os.access(md, os.W_OK) if md.exists() else md.parent.is_dir() and os.access(md.parent, os.W_OK)) \
-                    or md.is_dir():
-                raise ValueError(f"cannot write the markdown file {md}")
+            try:  # tried now (a probe), so that a whole run's results are not lost at its end
+                check_writable(md)
+            except ValueError as e:
+                raise ValueError(f"the markdown file {e}") from None
     except (ValueError, FileNotFoundError) as e:  # a bad config or override: one line, exit 2
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
@@ -203,6 +231,15 @@ def main(argv=None) -> int:
         draft_desc["params"] = draft.config.num_params()
     model_desc["load_s"] = time.perf_counter() - t0
     texts, ids = build_prompts(cfg, tok, target.vocab_size)
+    ds_prompts = None
+    if cfg.dataset is not None:
+        spec, prompts_file, n = cfg.dataset_spec()
+        ds_prompts = (spec, prompts_file, *build_dataset_prompts(prompts_file, n, tok, target.vocab_size))
+    try:  # the prompts against the model's context and the devices' memory, before any compile
+        check_lengths(cfg, target, ids, ds_prompts)
+    except ValueError as e:
+        print(f"benchmark.py: error: {e}", file=sys.stderr)
+        return 2
     log(f"target {model_desc['name']} ({model_desc['load_s']:.1f}s), draft {draft_desc}, "
         f"prompt lengths {[len(p) for p in ids]}")
 
@@ -211,9 +248,8 @@ def main(argv=None) -> int:
     step_costs = res["step_costs"]
     exact = exactness(cfg, runner)
     dataset = None
-    if cfg.dataset is not None:
-        spec, prompts_file, n = cfg.dataset_spec()
-        ds_ids, ds_stop = build_dataset_prompts(prompts_file, n, tok, target.vocab_size)
+    if ds_prompts is not None:
+        spec, prompts_file, ds_ids, ds_stop = ds_prompts
         log(f"dataset workload: {len(ds_ids)} prompts, {spec}")
         t0 = time.perf_counter()
         rows = run_dataset(spec, target, draft, ds_ids, ds_stop, log=log)

@@ -77,18 +77,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CACHE = os.path.join(REPO, "data_cache", "eval_heldout")
 
 
-def check_writable(path) -> None:
-    """ValueError unless ``path`` can be written (tried now: a file created for the probe is
-    removed again), so that a result is not lost after the whole run."""
-    existed = os.path.lexists(path)
-    try:
-        open(path, "a").close()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot write it ({e.strerror or type(e).__name__})") from None
-    if not existed:
-        os.remove(path)
-
-
 def _target_metadata(ap):
     """(tokenizer, config) of the default target from its metadata alone (no weights)."""
     from specjax.cli import ModelSource
@@ -174,6 +162,8 @@ def main(argv=None) -> int:
         ap.error(f"--cache-dir {a.cache_dir}: not a usable folder ({e.strerror or type(e).__name__})")
     if a.json:
         a.json = os.path.abspath(a.json)
+        from specjax.configs import check_writable
+
         try:
             check_writable(a.json)
         except ValueError as e:

@@ -74,9 +74,10 @@ def load_config(name_or_path: PathLike, kind: str, allowed: Optional[Iterable[st
 def read_prompt_file(path) -> list:
     """The prompts of a file given on a command line (one a line; blank lines and ``#``
     lines skipped; a relative path is the current directory's); ValueError (one line) for
-    an unreadable, non-UTF-8 or prompt-less file."""
+    an unreadable, non-UTF-8 or prompt-less file. A UTF-8 byte-order mark (some editors
+    write one) is not part of the first prompt."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
@@ -85,3 +86,16 @@ def read_prompt_file(path) -> list:
     if not lines:
         raise ValueError(f"{path}: no prompts (only blank or '#' comment lines)")
     return lines
+
+
+def check_writable(path) -> None:
+    """ValueError (one line) unless the file ``path`` can be written, tried now (a file
+    created for the probe is removed again): for the scripts, before a run whose results
+    would otherwise be lost at its end."""
+    existed = os.path.lexists(path)
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write it ({e.strerror or type(e).__name__})") from None
+    if not existed:
+        os.remove(path)

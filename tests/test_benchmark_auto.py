@@ -147,7 +147,7 @@ def test_benchmark_checks_its_grid_and_outputs_before_any_work(tmp_path, capsys,
                       (["--draft", "garbage"], "draft 'garbage'"),
                       (["--param-dtype", "float64x"], "param_dtype must be one of"),
                       (["--out", str(tmp_path / "file" / "sub")], "cannot create the output folder"),
-                      (["--markdown", str(tmp_path / "no" / "x.md")], "cannot write the markdown file")):
+                      (["--markdown", str(tmp_path / "no" / "x.md")], "the markdown file")):
         assert bench.main(["--quick", "--model", "tiny", "--out", str(tmp_path / "o"), *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, (argv, err)
@@ -158,6 +158,31 @@ def test_benchmark_checks_its_grid_and_outputs_before_any_work(tmp_path, capsys,
     bad.write_text("repeats: '3'\n")
     assert bench.main(["--config", str(bad)]) == 2
     assert "repeats must be an integer" in capsys.readouterr().err
+
+
+def test_benchmark_checks_lengths_against_the_context_before_timing(tmp_path, capsys, monkeypatch):
+    """A length past the model's context was caught by no one before the step timer
+    allocated its caches (``--max-new-tokens 100000000`` on the tiny model: killed for
+    memory); now one error line and exit 2, before anything is timed or compiled, for the
+    grid and the dataset workload alike."""
+    import scripts.benchmark as bench
+
+    monkeypatch.setattr(bench, "StepTimer", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(bench, "run_specjax", lambda *a, **k: pytest.fail("ran"))
+    ds = tmp_path / "ds.yaml"
+    ds.write_text("model: tiny\nbatch_sizes: [1]\nks: [2]\nmax_new_tokens: 8\n"
+                  "dataset: {max_new_tokens: 8190, k: 1, settings: [ar, auto]}\n")
+    out = ["--no-markdown", "--out", str(tmp_path / "o")]
+    for argv, msg in ((["--quick", "--model", "tiny", "--max-new-tokens", "100000000"],
+                       "the grid: a prompt of 20 tokens + max_new_tokens 100000000 + K 4 exceeds"),
+                      (["--quick", "--model", "tiny", "--max-new-tokens", "8171", "--ks", "2"],
+                       "+ max_new_tokens 8171 + K 2 exceeds"),
+                      (["--config", str(ds)], "the dataset workload: a prompt of 20 tokens + max_new_tokens "
+                                              "8190 + K 3 exceeds")):  # k=auto drafts up to 3
+        assert bench.main(argv + out) == 2, argv
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last == f"benchmark.py: error: {last.split('error: ', 1)[1]}" and msg in last, (argv, last)
+        assert last.endswith("exceeds the model's context of 8192 tokens"), last
 
 
 def test_dataset_config_refuses_unknown_keys_and_values(tmp_path):
