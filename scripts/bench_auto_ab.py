@@ -93,11 +93,24 @@ def main(argv=None) -> int:
         texts = read_prompt_file(a.prompts)
     except ValueError as e:
         ap.error(f"--prompts {e}")
+    from specjax import build
+    from specjax.cli import ModelSource
+
+    try:  # the longest prompt against the target's context, from its metadata (before loading)
+        src = ModelSource("gguf", None, "the default model")
+        meta_tok, limit = src.tokenizer(), src.config().max_position
+    except (OSError, ValueError) as e:
+        ap.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    longest = max(len(meta_tok.encode_user(t)) for t in texts[:max(batches) * a.groups])
+    kmax = max(ks + [build.AUTO_MAX_K])
+    if limit and longest + a.max_new + kmax > limit:
+        ap.error(f"a prompt of {longest} tokens with --max-new {a.max_new} and K {kmax} exceeds the "
+                 f"model's context of {limit} tokens")
     if a.fresh_costs:
         os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-costs-")
     import numpy as np
 
-    from specjax import build, sampling
+    from specjax import sampling
 
     target, tok, _ = build.load_target("default", **({"weight_blocks": False} if a.float_weights else {}))
     print(f"target weights: {'GGUF blocks' if target.config.weight_blocks else 'float32'}", flush=True)

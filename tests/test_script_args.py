@@ -92,10 +92,12 @@ def test_bad_arguments_exit_2_without_model_metadata(files, capsys, monkeypatch)
     ], capsys)
 
 
+@pytest.mark.real_model  # the prompts are checked against the target's context (its metadata)
 def test_bench_prompts_are_read_from_the_current_directory(files, monkeypatch):
     from scripts import bench_auto_ab
     from specjax import configs
 
+    _memo_metadata(monkeypatch)
     class Loaded(Exception):
         pass
 
@@ -119,7 +121,7 @@ def test_bad_drafts_lengths_and_outputs_exit_2_before_loading(files, capsys, mon
     """Checks that read the target's metadata (vocabulary, context) and the draft's alone."""
     import numpy as np
 
-    from scripts import eval_draft, eval_heldout
+    from scripts import bench_auto_ab, eval_draft, eval_heldout
 
     _no_load(monkeypatch)
     _memo_metadata(monkeypatch)
@@ -144,6 +146,8 @@ def test_bad_drafts_lengths_and_outputs_exit_2_before_loading(files, capsys, mon
         (d, [tiny], "has vocabulary 8, the target 49152"),
         (d, ["layers:99"], "layers:99: the target has 30 layers"),
         (d, ["default", "--max-new-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
+        (bench_auto_ab.main, p + ["--max-new", "8190", "--ks", "1"], "with --max-new 8190 and K 3 exceeds the "
+                                                                      "model's context of 8192 tokens"),
     ], capsys)
     assert not os.path.exists(files / "cache")  # nothing made on the way to an error
 
@@ -183,3 +187,14 @@ def test_heldout_paths_are_from_the_current_directory(files, capsys, monkeypatch
     monkeypatch.setattr(build, "load_target", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
     with pytest.raises(Loaded):  # p2.txt of this directory passed the checks
         eval_draft.main(["default", "--file", "p2.txt", "--no-timing"])
+
+
+def test_prompt_files_lose_a_byte_order_mark(tmp_path):
+    """Some editors start a UTF-8 file with a byte-order mark: it was part of prompt 0 in
+    the eval scripts' files (the CLI already dropped it)."""
+    from specjax import configs
+
+    (tmp_path / "bom.txt").write_bytes("\ufeffhello\n# note\nwörld\n".encode("utf-8"))
+    assert configs.read_prompt_file(tmp_path / "bom.txt") == ["hello", "wörld"]
+    (tmp_path / "bom_comment.txt").write_bytes("\ufeff# a comment first\nhi\n".encode("utf-8"))
+    assert configs.read_prompt_file(tmp_path / "bom_comment.txt") == ["hi"]
