@@ -721,9 +721,15 @@ def _exit_on_interrupt() -> None:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
     if argv is None:  # the command line (not a call from Python, e.g. a test)
-        _exit_on_interrupt()
+        try:
+            _exit_on_interrupt()
+            args = _parser().parse_args(argv)
+        except KeyboardInterrupt:  # Ctrl-C before the handler was set
+            print("specjax: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    else:
+        args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
             return run_generate(args)

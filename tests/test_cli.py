@@ -167,6 +167,18 @@ def test_prompts_are_checked_before_the_model_loads(argv, message, capsys, monke
         cli.main(["generate", "a", "--raw", "--draft", "lookup"])
 
 
+def test_ctrl_c_while_parsing_the_command_line_is_one_line(capsys, monkeypatch):
+    """Ctrl-C in the first milliseconds (before the handler is set) was a traceback."""
+    class Interrupted:
+        def parse_args(self, argv):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_exit_on_interrupt", lambda: None)
+    monkeypatch.setattr(cli, "_parser", Interrupted)
+    assert cli.main() == cli.EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "specjax: interrupted\n"
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_ctrl_c_exits_at_once_with_130_in_every_phase():
