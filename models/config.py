@@ -23,6 +23,8 @@ from specjax.configs import list_configs, load_config
 from specjax.models.llama import LlamaConfig, LlamaLM
 
 FAMILIES = {"llama": LlamaConfig}
+# the config fields a preset's checkpoint must match (ModelPreset.build)
+_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "tie_embeddings")
 CHECKPOINT_FORMATS = ("gguf", "hf")
 
 
@@ -34,6 +36,8 @@ class CheckpointSpec:
     def __post_init__(self):
         if self.format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint format {self.format!r}; expected one of {CHECKPOINT_FORMATS}")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(f"checkpoint path must be a string or null, got {self.path!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,14 @@ class ModelPreset:
             if self.checkpoint.path is None:
                 raise ValueError(f"preset {self.name!r}: an hf checkpoint needs a path")
             lm = load_hf(self.checkpoint.path, **runtime)
+        # the preset documents the checkpoint's shape (and the metadata checks read it before
+        # loading): a checkpoint of another shape is an error, not a silently different model
+        got, want = lm.config, self.config
+        diff = [f"{f}={getattr(got, f)!r} (the preset says {getattr(want, f)!r})" for f in _SHAPE_FIELDS
+                if getattr(got, f) != getattr(want, f)]
+        if diff:
+            where = self.checkpoint.path or f"the default {self.checkpoint.format} checkpoint"
+            raise ValueError(f"preset {self.name!r}: its checkpoint {where} has {', '.join(diff)}")
         return lm
 
 
@@ -77,6 +89,9 @@ def preset_from_dict(d: dict, name: str = "<dict>", **overrides: Any) -> ModelPr
         raise ValueError(f"preset {name}: unknown family {family!r}; known: {sorted(FAMILIES)}")
     cls = FAMILIES[family]
     fields = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(d.get("config") or {}, dict):
+        raise ValueError(f"preset {name}: config must be a mapping of {cls.__name__} fields, "
+                         f"got {type(d.get('config')).__name__}")
     raw = dict(d.get("config") or {})
     raw.update(overrides)
     bad = set(raw) - fields
@@ -85,11 +100,21 @@ def preset_from_dict(d: dict, name: str = "<dict>", **overrides: Any) -> ModelPr
     raw.setdefault("name", d.get("name", name))
     try:
         cfg = cls(**raw)
-    except TypeError as e:  # missing required fields
-        raise ValueError(f"preset {name}: {e}") from e
+    except (TypeError, ValueError) as e:  # missing required fields, zero sizes, ...
+        raise ValueError(f"preset {name}: {e}") from None
     ck = d.get("checkpoint")
-    return ModelPreset(name=d.get("name", name), family=family, config=cfg,
-                       checkpoint=CheckpointSpec(**ck) if ck else None)
+    if ck:
+        if not isinstance(ck, dict):
+            raise ValueError(f"preset {name}: checkpoint must be a mapping (format, path), got {ck!r}")
+        bad = sorted(set(ck) - {"format", "path"})
+        if bad or "format" not in ck:
+            raise ValueError(f"preset {name}: checkpoint needs a format and at most a path "
+                             f"(format: gguf | hf, path: ...), got keys {sorted(ck)}")
+        try:
+            ck = CheckpointSpec(**ck)
+        except ValueError as e:
+            raise ValueError(f"preset {name}: {e}") from None
+    return ModelPreset(name=d.get("name", name), family=family, config=cfg, checkpoint=ck or None)
 
 
 def load_preset(name_or_path: str | os.PathLike, **overrides: Any) -> ModelPreset:

@@ -130,6 +130,27 @@ def _get(meta: dict, key: str, default: Any = None, required: bool = True):
     return default
 
 
+def _int(meta: dict, key: str, default: Any = None) -> int:
+    """An integer metadata value (``default`` when absent, an error when absent without one):
+    a string, a float or a per-layer array (which this loader does not support) is an error
+    naming the key, not a TypeError from ``int()``."""
+    v = _get(meta, key, default)
+    if isinstance(v, (list, tuple)):
+        raise GGUFError(f"GGUF metadata {key} is an array ({len(v)} values, per layer?); "
+                        "only one value for every layer is supported")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise GGUFError(f"GGUF metadata {key} = {v!r}: expected an integer")
+    return int(v)
+
+
+def _float(meta: dict, key: str, default: float) -> float:
+    """A finite real metadata value (``default`` when absent)."""
+    v = _get(meta, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+        raise GGUFError(f"GGUF metadata {key} = {v!r}: expected a finite number")
+    return float(v)
+
+
 def config_from_metadata(meta: dict, tensor_names=(), vocab_size: Optional[int] = None, **overrides) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -137,39 +158,56 @@ def config_from_metadata(meta: dict, tensor_names=(), vocab_size: Optional[int] 
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     a = arch
-    dim = int(_get(meta, f"{a}.embedding_length"))
-    n_heads = int(_get(meta, f"{a}.attention.head_count"))
-    n_kv = int(_get(meta, f"{a}.attention.head_count_kv", n_heads))
-    head_dim = int(_get(meta, f"{a}.attention.key_length", dim // n_heads))
-    vdim = int(_get(meta, f"{a}.attention.value_length", head_dim))
-    rot = int(_get(meta, f"{a}.rope.dimension_count", head_dim))
+    dim = _int(meta, f"{a}.embedding_length")
+    n_heads = _int(meta, f"{a}.attention.head_count")
+    for key, v in ((f"{a}.embedding_length", dim), (f"{a}.attention.head_count", n_heads)):
+        if v <= 0:
+            raise GGUFError(f"GGUF metadata {key} = {v}: must be positive")
+    n_kv = _int(meta, f"{a}.attention.head_count_kv", n_heads)
+    if f"{a}.attention.key_length" not in meta and dim % n_heads:
+        raise GGUFError(f"GGUF metadata {a}.embedding_length = {dim} is not a multiple of "
+                        f"{a}.attention.head_count = {n_heads} (and there is no {a}.attention.key_length)")
+    head_dim = _int(meta, f"{a}.attention.key_length", dim // n_heads)
+    vdim = _int(meta, f"{a}.attention.value_length", head_dim)
+    rot = _int(meta, f"{a}.rope.dimension_count", head_dim)
     if vdim != head_dim or rot != head_dim:
         raise GGUFError(f"unsupported head layout: key_length={head_dim}, value_length={vdim}, "
                         f"rope.dimension_count={rot} (partial rotary / different V width)")
     if "rope_freqs.weight" in tensor_names:
         raise GGUFError("GGUF carries rope_freqs.weight (llama3 RoPE scaling factors); not supported")
     scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none") and float(meta.get(f"{a}.rope.scaling.factor", 1.0)) != 1.0:
+    if scaling not in (None, "none") and _float(meta, f"{a}.rope.scaling.factor", 1.0) != 1.0:
         raise GGUFError(f"unsupported RoPE scaling {scaling!r} in GGUF metadata")
-    vocab = meta.get(f"{a}.vocab_size", vocab_size)
-    if vocab is None:
+    if f"{a}.vocab_size" in meta:
+        vocab = _int(meta, f"{a}.vocab_size")
+    elif vocab_size is not None:
+        vocab = int(vocab_size)
+    else:
         raise GGUFError(f"GGUF metadata lacks {a}.vocab_size and the file has no token_embd.weight")
+    rope_theta = _float(meta, f"{a}.rope.freq_base", 10000.0)
+    norm_eps = _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    if rope_theta <= 0 or norm_eps < 0:  # LlamaConfig does not check these: NaN logits otherwise
+        raise GGUFError(f"GGUF metadata: rope.freq_base must be > 0 and layer_norm_rms_epsilon >= 0, "
+                        f"got {rope_theta} and {norm_eps}")
     cfg = dict(
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         dim=dim,
-        n_layers=int(_get(meta, f"{a}.block_count")),
+        n_layers=_int(meta, f"{a}.block_count"),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        ffn_dim=int(_get(meta, f"{a}.feed_forward_length")),
-        rope_theta=float(_get(meta, f"{a}.rope.freq_base", 10000.0)),
-        norm_eps=float(_get(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        ffn_dim=_int(meta, f"{a}.feed_forward_length"),
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
         tie_embeddings="output.weight" not in tensor_names,
-        max_position=int(_get(meta, f"{a}.context_length", 8192)),
+        max_position=_int(meta, f"{a}.context_length", 8192),
         name=str(meta.get("general.name", arch)),
     )
     cfg.update(overrides)
-    return LlamaConfig(**cfg)
+    try:
+        return LlamaConfig(**cfg)
+    except ValueError as e:  # zero sizes, heads that do not divide, ...
+        raise GGUFError(f"GGUF metadata gives an invalid config: {e}") from None
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -200,7 +238,8 @@ _LAYER_MAP = {
 _GLOBAL_MAP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
 
 
-def _dequantize(t) -> np.ndarray:
+def _check_type(t) -> None:
+    """GGUFError unless ``gguf`` can dequantize the tensor's type."""
     import gguf
 
     qt = t.tensor_type
@@ -208,6 +247,13 @@ def _dequantize(t) -> np.ndarray:
         gguf.quants, "_type_traits", {qt: None}
     ):
         raise GGUFError(f"tensor {t.name}: unsupported quantization type {qt.name}")
+
+
+def _dequantize(t) -> np.ndarray:
+    import gguf
+
+    qt = t.tensor_type
+    _check_type(t)
     try:
         arr = gguf.quants.dequantize(t.data, qt)
     except NotImplementedError as e:
@@ -272,24 +318,56 @@ def _resolve_blocks(reader, cfg: LlamaConfig) -> bool:
             and has_avx512())
 
 
-def gguf_weights(reader, cfg: LlamaConfig) -> dict:
-    """Canonical weights (see specjax.models.llama) from the tensors of a GGUF reader; with
-    ``cfg.weight_blocks`` the layer matrices and the LM head as :class:`BlockWeights`."""
+def _plan_tensors(reader, cfg: LlamaConfig) -> list:
+    """``(tensor, base name, layer index or None, kind)`` for every tensor of the file, each
+    name and shape checked against the config first (from the tensor table: nothing is
+    read or dequantized yet), so that a misnamed or misshapen tensor is a :class:`GGUFError`
+    naming it, not an error from a reshape deep in the conversion."""
+    from specjax.models.llama import expected_shapes
+
     L = cfg.n_layers
-    layers = {v: [None] * L for v in _LAYER_MAP.values()}
-    out: dict = {}
+    exp = expected_shapes(cfg)
+    plan = []
     for t in reader.tensors:
         name = t.name
         if not name.endswith(".weight"):
             raise GGUFError(f"unexpected tensor {name!r} (biases are not supported)")
         base = name[: -len(".weight")]
         if base.startswith("blk."):
-            _, idx, kind = base.split(".", 2)
+            parts = base.split(".", 2)
+            if len(parts) != 3 or not parts[1].isdigit():
+                raise GGUFError(f"unexpected layer tensor {name!r}")
+            _, idx, kind = parts
             if kind not in _LAYER_MAP:
                 raise GGUFError(f"unexpected layer tensor {name!r}")
             i = int(idx)
             if i >= L:
                 raise GGUFError(f"tensor {name!r} but block_count is {L}")
+            want = exp[_LAYER_MAP[kind]][1:]
+        elif base in _GLOBAL_MAP:
+            i, kind = None, base
+            want = exp.get(_GLOBAL_MAP[base])
+        elif base == "rope_freqs":
+            raise GGUFError("rope_freqs.weight (llama3 RoPE scaling) is not supported")
+        else:
+            raise GGUFError(f"unexpected tensor {name!r}")
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (fastest) first
+        if want is not None and shape != tuple(want):
+            raise GGUFError(f"shape mismatch between GGUF tensors and metadata: tensor {name!r} has shape "
+                            f"{shape}, the metadata implies {tuple(want)}")
+        _check_type(t)
+        plan.append((t, base, i, kind))
+    return plan
+
+
+def gguf_weights(reader, cfg: LlamaConfig) -> dict:
+    """Canonical weights (see specjax.models.llama) from the tensors of a GGUF reader; with
+    ``cfg.weight_blocks`` the layer matrices and the LM head as :class:`BlockWeights`."""
+    L = cfg.n_layers
+    layers = {v: [None] * L for v in _LAYER_MAP.values()}
+    out: dict = {}
+    for t, base, i, kind in _plan_tensors(reader, cfg):
+        if i is not None:
             blocks = cfg.weight_blocks and kind in _BLOCK_MATRICES
             w = _blocks(t) if blocks else _dequantize(t)
             if kind in ("attn_q", "attn_k"):
@@ -299,13 +377,9 @@ def gguf_weights(reader, cfg: LlamaConfig) -> dict:
                 else:
                     w = unpermute_rope_rows(w, heads)
             layers[_LAYER_MAP[kind]][i] = w
-        elif base in _GLOBAL_MAP:
+        else:
             head = _GLOBAL_MAP[base] == ("embed" if cfg.tie_embeddings else "lm_head")
             out[_GLOBAL_MAP[base]] = _blocks(t) if cfg.weight_blocks and head else _dequantize(t)
-        elif base == "rope_freqs":
-            raise GGUFError("rope_freqs.weight (llama3 RoPE scaling) is not supported")
-        else:
-            raise GGUFError(f"unexpected tensor {name!r}")
     try:
         for k, per in layers.items():  # block matrices: stacked part by part
             if per and all(isinstance(a, BlockWeights) for a in per):
@@ -327,7 +401,16 @@ def load_gguf(path: Optional[str] = None, **config_overrides) -> tuple[LlamaLM, 
     LlamaConfig fields to change (``dtype``, ``param_dtype``, ``scan_layers``)."""
     reader, meta, cfg = _open_with_config(path, **config_overrides)
     with staging():
-        return LlamaLM.from_weights(cfg, gguf_weights(reader, cfg)), meta
+        try:
+            weights = gguf_weights(reader, cfg)
+        except GGUFError as e:
+            raise _in_file(meta["path"], e) from None
+        return LlamaLM.from_weights(cfg, weights), meta
+
+
+def _in_file(path: str, e: GGUFError) -> GGUFError:
+    """``e`` with the file's path in front (the one-line error names the file)."""
+    return GGUFError(f"{path}: {e}")
 
 
 def _open_with_config(path: Optional[str] = None, **config_overrides):
@@ -339,7 +422,10 @@ def _open_with_config(path: Optional[str] = None, **config_overrides):
     emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
     vocab = int(emb[0].shape[-1]) if emb else None  # GGUF shape is [D, V]
     blocks = config_overrides.pop("weight_blocks", "auto")
-    cfg = config_from_metadata(meta, names, vocab, **config_overrides)
+    try:
+        cfg = config_from_metadata(meta, names, vocab, **config_overrides)
+    except GGUFError as e:
+        raise _in_file(meta["path"], e) from None
     if blocks == "auto":
         blocks = _resolve_blocks(reader, cfg)
     elif blocks and not blocks_eligible(reader, cfg.tie_embeddings):

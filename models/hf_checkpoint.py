@@ -104,6 +104,8 @@ def _rope(p: Optional[dict], where: str) -> tuple[Optional[float], Optional[Rope
     transformers-5 ``rope_parameters`` entry)."""
     if not p:
         return None, None
+    if not isinstance(p, dict):
+        raise HFCheckpointError(f"config.json: {where} must be a mapping, got {p!r}")
     theta = p.get("rope_theta")
     theta = None if theta is None else float(theta)
     kind = p.get("rope_type", p.get("type", "default"))
@@ -182,6 +184,8 @@ def _sliding_config(hf: dict, arch: str, n_layers: int) -> dict:
 def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a parsed ``config.json`` (the architecture's switches set
     as HF's modeling code applies them); ``overrides`` replace fields."""
+    if not isinstance(hf, dict):
+        raise HFCheckpointError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -235,34 +239,89 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
         raise HFCheckpointError(f"config.json lacks {e.args[0]!r}") from e
     except (TypeError, ValueError, ZeroDivisionError) as e:  # e.g. null or 0 where a size belongs
         raise HFCheckpointError(f"config.json has a bad value: {e}") from e
+    local = cfg.get("rope_local_theta")
+    for key, v, ok in (("rope_theta", cfg["rope_theta"], cfg["rope_theta"] > 0),
+                       ("rope_local_base_freq", local, local is None or local > 0),
+                       ("rms_norm_eps", cfg["norm_eps"], cfg["norm_eps"] >= 0)):
+        if not (ok and math.isfinite(v if v is not None else 1.0)):  # NaN logits otherwise
+            raise HFCheckpointError(f"config.json has a bad value: {key}={v!r}")
+    try:  # the config.json alone: zero sizes, heads that do not divide, ...
+        LlamaConfig(**cfg)
+    except ValueError as e:
+        raise HFCheckpointError(f"config.json has a bad value: {e}") from None
     cfg.update(overrides)
     return LlamaConfig(**cfg)
 
 
+def _read_json_file(path: Path, what: str):
+    """A JSON file's contents; an unreadable file or bad JSON is one HFCheckpointError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
+        raise HFCheckpointError(f"{path}: not a readable {what} ({e})") from None
+
+
+def _weight_map(folder: Path) -> Optional[dict]:
+    """``model.safetensors.index.json``'s weight_map (tensor name -> shard file), or None."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    d = _read_json_file(index, "safetensors index")
+    wm = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+        raise HFCheckpointError(f"{index}: no weight_map (tensor name -> shard file) in it")
+    return wm
+
+
 def _safetensor_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    wm = _weight_map(folder)
+    if wm is not None:
+        files = sorted(set(wm.values()))
         paths = [folder / f for f in files]
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise HFCheckpointError(f"shards listed in {index.name} are missing: {missing}")
         return paths
-    paths = sorted(folder.glob("*.safetensors"))
+    paths = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if not paths:
         raise HFCheckpointError(f"no *.safetensors files in {folder}")
     return paths
 
 
-def _read_tensors(paths) -> dict:
+# safetensors dtypes read as float32 weights; anything else (integer codes of a quantized
+# checkpoint, booleans) would be cast to float32 as if it were a weight
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _read_tensors(paths, weight_map: Optional[dict] = None, folder: Optional[Path] = None) -> dict:
+    """Every tensor of the files as float32; with ``weight_map`` (a sharded checkpoint's
+    index, its file names relative to ``folder``), a tensor that the index places in another
+    shard is skipped, as HF does."""
     from safetensors import safe_open
 
-    out = {}
+    out, where = {}, {}
     for p in paths:
-        with safe_open(str(p), framework="flax") as f:  # flax/jax arrays handle bfloat16
-            for k in f.keys():
-                out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
+        try:
+            with safe_open(str(p), framework="flax") as f:  # flax/jax arrays handle bfloat16
+                keys = [k for k in f.keys()
+                        if weight_map is None or k not in weight_map or Path(folder or p.parent) / weight_map[k] == p]
+                for k in keys:  # headers first: nothing read when a dtype is wrong
+                    if k in where:
+                        raise HFCheckpointError(f"tensor {k!r} is in both {where[k]} and {p}")
+                    where[k] = p
+                    dt = f.get_slice(k).get_dtype()
+                    if dt not in _FLOAT_DTYPES:
+                        raise HFCheckpointError(f"{p}: tensor {k!r} has dtype {dt}; weights must be one of "
+                                                f"{', '.join(_FLOAT_DTYPES)} (quantized checkpoints are not supported)")
+                for k in keys:
+                    out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
+        except (HFCheckpointError, MemoryError):
+            raise
+        except Exception as e:  # SafetensorError (truncated / corrupt header), OSError
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HFCheckpointError(f"{p}: not a readable safetensors file ({msg})") from None
     return out
 
 
@@ -312,8 +371,10 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise HFCheckpointError(f"{folder} has no config.json")
-    with open(cfg_path) as f:
-        return json.load(f)
+    hf = _read_json_file(cfg_path, "config.json")
+    if not isinstance(hf, dict):
+        raise HFCheckpointError(f"{cfg_path}: must hold a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def load_hf(folder: str | os.PathLike, **config_overrides: Any) -> LlamaLM:
@@ -321,11 +382,14 @@ def load_hf(folder: str | os.PathLike, **config_overrides: Any) -> LlamaLM:
     ``config_overrides`` replace config fields (e.g. ``scan_layers=True``)."""
     folder = Path(folder)
     hf = read_hf_config(folder)
-    cfg = config_from_hf(hf, **config_overrides)
+    try:
+        cfg = config_from_hf(hf, **config_overrides)
+    except HFCheckpointError as e:
+        raise HFCheckpointError(f"{folder}: {e}") from None
     arch = (hf.get("architectures") or ["?"])[0]
     with staging():
-        weights = hf_to_canonical(cfg, _read_tensors(_safetensor_files(folder)), source=str(folder),
-                                  architecture=arch)
+        weights = hf_to_canonical(cfg, _read_tensors(_safetensor_files(folder), _weight_map(folder), folder),
+                                  source=str(folder), architecture=arch)
         return LlamaLM.from_weights(cfg, weights)
 
 

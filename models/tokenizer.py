@@ -76,21 +76,41 @@ class Tokenizer:
     def from_gguf(cls, path=None) -> "Tokenizer":
         from specjax.models.gguf_loader import open_gguf, read_metadata
 
-        meta = read_metadata(open_gguf(path), include_big=True)
-        return cls.from_gguf_metadata(meta)
+        reader = open_gguf(path)
+        try:
+            return cls.from_gguf_metadata(read_metadata(reader, include_big=True))
+        except TokenizerError as e:  # name the file
+            raise TokenizerError(f"{path if path is not None else 'the default GGUF'}: {e}") from None
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
-        tokens = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise TokenizerError("GGUF metadata lacks tokenizer.ggml.tokens (a list of token strings)")
+        tokens = list(tokens)
+        merges = meta.get("tokenizer.ggml.merges", [])
+        if not isinstance(merges, (list, tuple)) or not all(isinstance(m, str) and " " in m for m in merges):
+            raise TokenizerError("GGUF metadata tokenizer.ggml.merges must be a list of 'left right' strings")
+        merges = [tuple(m.split(" ", 1)) for m in merges]
         types = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+        if len(types) != len(tokens):  # a shorter list would leave special tokens unmarked
+            raise TokenizerError(f"GGUF metadata has {len(types)} tokenizer.ggml.token_type entries for "
+                                 f"{len(tokens)} tokens")
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise TokenizerError("duplicate tokens in GGUF vocabulary")
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+            i = meta.get(f"tokenizer.ggml.{key}")
+            if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
+                raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} = {i!r} is not a token id of the "
+                                     f"{len(tokens)}-token vocabulary")
+        try:
+            hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        except Exception as e:  # e.g. a merge of tokens that are not in the vocabulary
+            raise TokenizerError(f"GGUF tokenizer: {str(e).splitlines()[0][:200]}") from None
         hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"))
         hf.decoder = decoders.ByteLevel()
         special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
@@ -140,6 +160,9 @@ class Tokenizer:
         if bos is None and ids(mc.get("bos_token_id")):
             bos = ids(mc.get("bos_token_id"))[0]
         add_bos = tc.get("add_bos_token")
+        if add_bos and bos is None:  # encode would silently leave the BOS out
+            raise TokenizerError(f"{folder}: tokenizer_config.json sets add_bos_token but its bos_token "
+                                 f"{tc.get('bos_token')!r} is not a token of tokenizer.json")
         if add_bos is None:  # the tokenizer's own post-processor decides (Llama 3 adds BOS)
             add_bos = bos is not None and hf.encode("a", add_special_tokens=True).ids[:1] == [bos]
         special = [i for i, t in hf.get_added_tokens_decoder().items() if t.special]

@@ -149,6 +149,13 @@ def check_draft_metadata(spec: str, target_cfg) -> None:
         v = c.get("vocab_size")
         if meta.get("kind") == "eagle":
             dim, layers = c.get("dim"), c.get("feature_layers")
+        for name, x in (("vocab_size", v), ("dim", dim)):  # compared below: a string would read as a mismatch
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x <= 0):
+                raise ValueError(f"draft {spec!r}: its config's {name} must be a positive int, got {x!r}")
+        if layers is not None and (not isinstance(layers, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+            raise ValueError(f"draft {spec!r}: its config's feature_layers must be a list of hidden-state "
+                             f"indices, got {layers!r}")
     elif p.suffix == ".gguf":
         from specjax.models.gguf_loader import read_config
 

@@ -139,6 +139,34 @@ def read_draft(path: str, upcast: bool = True):
     return meta, (_float32(weights) if upcast else weights)
 
 
+def _draft_config(meta: dict, path: str):
+    """The ``EagleConfig`` (kind eagle) or ``LlamaConfig`` (kind llama) in a draft file's
+    meta, checked: a bad or incomplete config is a :class:`DraftFileError` naming the file."""
+    from specjax.models.eagle import EagleConfig
+    from specjax.models.llama import LlamaConfig
+
+    kind = meta.get("kind")
+    if kind not in ("eagle", "llama"):
+        raise DraftFileError(f"draft file {path}: unknown draft kind {kind!r}")
+    try:
+        if kind == "eagle":
+            return EagleConfig.from_dict(dict(meta["config"]))
+        return LlamaConfig(**meta["config"])
+    except (TypeError, ValueError) as e:
+        raise DraftFileError(f"draft file {path}: bad {'EAGLE' if kind == 'eagle' else 'model'} config ({e})") from None
+
+
+def _check_dtypes(path: str, weights: dict, int_keys=("token_map",)) -> None:
+    """Weights are floating point and ``int_keys`` integer: an integer array would be cast to
+    float32 as if it were a weight, a float token map truncated to ids."""
+    for k, v in weights.items():
+        want_int = k in int_keys
+        ok = np.issubdtype(v.dtype, np.integer) if want_int else np.issubdtype(v.dtype, np.floating)
+        if not ok:
+            raise DraftFileError(f"draft file {path}: tensor {k!r} has dtype {v.dtype}, expected "
+                                 f"{'integer token ids' if want_int else 'floating point weights'}")
+
+
 def _check_shapes(path: str, got: dict, expected: dict) -> None:
     """Every expected tensor present with its shape, nothing else."""
     missing = sorted(set(expected) - set(got))
@@ -160,16 +188,15 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
     change only its q, which the verifier uses as it is: the output law stays the target's."""
     from specjax.models.base import embedding_weights
     from specjax.models.eagle import EagleConfig, EagleModel, trainable_shapes
-    from specjax.models.llama import LlamaConfig, LlamaLM
+    from specjax.models.llama import LlamaLM, check_weights
 
     meta, w = read_draft(path, upcast=False)
     kind = meta.get("kind")
+    cfg = _draft_config(meta, path)
+    _check_dtypes(path, w, ("token_map",) if kind == "eagle" else ())
     if kind == "eagle":
         c = dict(meta["config"])
-        try:
-            expected = trainable_shapes(EagleConfig.from_dict(c))
-        except (TypeError, ValueError) as e:
-            raise DraftFileError(f"draft file {path}: bad EAGLE config ({e})") from None
+        expected = trainable_shapes(cfg)
         if c.get("vocab_subset"):
             expected["token_map"] = (c["vocab_subset"],)
         _check_shapes(path, w, expected)
@@ -181,10 +208,12 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
             c["param_dtype"] = param_dtype
         cfg = EagleConfig.from_dict(c)
         tm = w.pop("token_map", None)
-        return EagleModel.for_target(target, cfg, trainable=w, token_map=tm)
+        try:
+            return EagleModel.for_target(target, cfg, trainable=w, token_map=tm)
+        except ValueError as e:  # a token map of ids outside the vocabulary, a head for another target
+            raise DraftFileError(f"draft file {path}: {e}") from None
     w = _float32(w)
     if kind == "llama":
-        cfg = LlamaConfig(**meta["config"])
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocabulary V={cfg.vocab_size} does not match the target's "
                              f"V={target.vocab_size}")
@@ -193,5 +222,9 @@ def load_draft_model(path: str, target, param_dtype: str = "auto"):
             w["embed"] = tw["embed"]
             if not cfg.tie_embeddings and "lm_head" not in w:
                 w["lm_head"] = tw.get("lm_head", tw["embed"])
+        try:
+            check_weights(cfg, w, source=f"draft file {path}")
+        except ValueError as e:  # before any weight is placed; the target's embedding included
+            raise DraftFileError(str(e)) from None
         return LlamaLM.from_weights(cfg, w)
     raise DraftFileError(f"draft file {path}: unknown draft kind {kind!r}")
