@@ -65,6 +65,53 @@ __all__ = [
 EXACT_TOL = 1e-9  # max |law - target law| for an exact verifier (float64 enumeration)
 MC_ALPHA = 1e-4  # a Monte Carlo check fails when its p-value is below this
 
+def _count(value, name: str, lo: int = 1) -> int:
+    """``value`` as an int >= ``lo``, else a one-line ValueError / TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return int(value)
+
+
+def _table(table, name: str, vocab_size: Optional[int] = None, depth: Optional[int] = None) -> np.ndarray:
+    """A prefix table checked: 2-D [rows, V] with V >= 1 (``vocab_size`` when given) and at
+    least one row per prefix of length 0..``depth``; no NaN and no +inf (log-probs or
+    logits; -inf is a probability 0)."""
+    t = np.asarray(table)
+    if t.ndim != 2 or t.shape[1] < 1:
+        raise ValueError(f"{name} must be a 2-D table [prefixes, V], got shape {t.shape}")
+    if not np.issubdtype(t.dtype, np.floating):
+        raise TypeError(f"{name} must hold floats (log-probs), got dtype {t.dtype}")
+    if vocab_size is not None and t.shape[1] != vocab_size:
+        raise ValueError(f"{name} has V={t.shape[1]}, the target table V={vocab_size}")
+    if depth is not None and t.shape[0] < num_prefixes(t.shape[1], depth):
+        raise ValueError(f"{name} has {t.shape[0]} rows, fewer than the {num_prefixes(t.shape[1], depth)} "
+                         f"prefixes of length 0..{depth} over V={t.shape[1]}")
+    if np.isnan(t).any() or np.isposinf(t).any():
+        raise ValueError(f"{name} holds NaN or +inf (not log-probs)")
+    return t
+
+
+def _tables(target_table, draft_table, draft_sample_table, depth: int, reference_table=None):
+    """Check the audit's tables: the same V, rows for every prefix of length 0..``depth``."""
+    v = _table(target_table, "target_table", depth=depth).shape[1]
+    _table(draft_table, "draft_table", v, depth)
+    if draft_sample_table is not None:
+        _table(draft_sample_table, "draft_sample_table", v, depth)
+    if reference_table is not None:
+        _table(reference_table, "reference_table", v, depth)
+    return v
+
+
+def _num_draft(num_draft_max, num_draft):
+    k = _count(num_draft_max, "num_draft_max", 1)
+    n = k if num_draft is None else _count(num_draft, "num_draft", 0)
+    if n > k:
+        raise ValueError(f"num_draft={n} exceeds num_draft_max={k}")
+    return k, n
+
+
 LawFn = Callable[..., _verify.RoundLaw]  # (tokens, draft_lp, target_lp, num_draft)
 VerifyFn = Callable[..., _verify.VerifyResult]  # (key, tokens, draft_lp, target_lp, n)
 
@@ -180,13 +227,13 @@ def exact_round_law(law_fn: LawFn, target_table, draft_table, num_draft_max: int
     log-probs and ``PAD_ID`` tokens, which the verifier must ignore.
     Returns ``(law float64[V**(K+1)], expected tokens emitted by the round)``.
     """
-    k = int(num_draft_max)
+    k, n = _num_draft(num_draft_max, num_draft)
+    _tables(target_table, draft_table, draft_sample_table, k)
     target = normalize_table(target_table)
     reported = normalize_table(draft_table)
     sampled = normalize_table(draft_table if draft_sample_table is None
                               else draft_sample_table)
     v = target.shape[1]
-    n = k if num_draft is None else int(num_draft)
     drafts = np.indices((v,) * k).reshape(k, -1).T  # [V**K, K]
     rows = [prefix_index(drafts[:, :i], v) for i in range(k + 1)]
     q_prob = np.ones(drafts.shape[0])
@@ -272,8 +319,9 @@ def monte_carlo_counts(verify_fn: VerifyFn, seed: int, target_table, draft_table
     garbage (NaN log-probs, PAD_ID tokens) that the verifier must ignore.
     Returns ``(counts int64[V**(K+1)], mean tokens emitted by the round, error count)``.
     """
-    k = int(num_draft_max)
-    n = k if num_draft is None else int(num_draft)
+    k, n = _num_draft(num_draft_max, num_draft)
+    num_rows = _count(num_rows, "num_rows", 1)
+    _tables(target_table, draft_table, draft_sample_table, k)
     target32, reported32, target, sampled = _mc_tables(target_table, draft_table, draft_sample_table)
     v = target.shape[1]
     rng = np.random.default_rng(seed)
@@ -339,10 +387,26 @@ def chi_square_test(counts, probs, min_expected: float = 5.0) -> ChiSquare:
 
     Cells whose expected count is below ``min_expected`` are pooled into one cell; an
     observation in a cell of probability 0 gives p-value 0.
+
+    ValueError (before any statistic) for counts and probs of different shapes, NaN /
+    infinite / negative probabilities or probabilities summing to 0, NaN / infinite /
+    negative counts, or no observation at all: none of these is a valid test, and each
+    would otherwise read as a pass.
     """
     counts = np.asarray(counts, np.float64)
     probs = np.asarray(probs, np.float64)
+    if counts.shape != probs.shape or counts.ndim == 0:
+        raise ValueError(f"chi_square_test: counts {counts.shape} and probs {probs.shape} must be "
+                         "arrays of the same shape (one flat grid of outcomes)")
+    if not np.isfinite(probs).all() or (probs < 0).any() or not probs.sum() > 0:
+        raise ValueError("chi_square_test: probs must be finite, non-negative and not all 0 "
+                         f"(got {int(np.isnan(probs).sum())} NaN, {int(np.isinf(probs).sum())} infinite, "
+                         f"{int((probs < 0).sum())} negative, sum {np.nansum(probs):.6g})")
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError("chi_square_test: counts must be finite and non-negative")
     total = counts.sum()
+    if total <= 0:
+        raise ValueError("chi_square_test: no observations (every count is 0): nothing to test")
     impossible = int(counts[probs <= 0].sum())
     if impossible:
         return ChiSquare(float("inf"), 0, 0.0, impossible)
@@ -431,6 +495,7 @@ def sequence_permutation_test(seqs_a: Sequence, seqs_b: Sequence, min_expected: 
     is exact under the null that every sequence of a stratum is an independent draw from
     one law -- provided no two sequences share random keys. Returns the two-sample dict
     plus ``p_value_permutation``, ``n_perm``, ``n_seq_a`` and ``n_seq_b``."""
+    n_perm = _count(n_perm, "n_perm", 1)
     ca = collections.Counter(t for _, s in seqs_a for t in s)
     cb = collections.Counter(t for _, s in seqs_b for t in s)
     nominal = chi_square_two_sample(ca, cb, min_expected)
@@ -486,6 +551,9 @@ def audit_law(law_fn: LawFn, target_table, draft_table, num_draft_max: int,
 
     ``reference_table`` (default: the target table) is the law the output must follow.
     """
+    if reference_table is not None:
+        _table(reference_table, "reference_table", _table(target_table, "target_table").shape[1],
+               _count(num_draft_max, "num_draft_max", 1))
     law, expected = exact_round_law(law_fn, target_table, draft_table, num_draft_max,
                                     **kwargs)
     ref = target_table if reference_table is None else reference_table
@@ -498,13 +566,24 @@ def audit_monte_carlo(verify_fn: VerifyFn, seed: int, target_table, draft_table,
                       num_draft_max: int, num_rows: int = 200_000, alpha: float = MC_ALPHA,
                       reference_table=None, **kwargs) -> MonteCarloAudit:
     """Statistical check of the sampler: chi-square p-value >= alpha and no error flags."""
+    if reference_table is not None:
+        _table(reference_table, "reference_table", _table(target_table, "target_table").shape[1],
+               _count(num_draft_max, "num_draft_max", 1))
     counts, mean_tokens, errors = monte_carlo_counts(
         verify_fn, seed, target_table, draft_table, num_draft_max, num_rows, **kwargs)
     ref = target_table if reference_table is None else reference_table
     v = np.asarray(target_table).shape[1]
-    chi = chi_square_test(counts, target_joint_law(ref, v, num_draft_max + 1))
+    chi = _chi_square_or_fail(counts, target_joint_law(ref, v, num_draft_max + 1))
     return MonteCarloAudit(chi, mean_tokens, errors,
                            bool(chi.p_value >= alpha and errors == 0))
+
+
+def _chi_square_or_fail(counts, probs) -> ChiSquare:
+    """:func:`chi_square_test`, or a failed one (p-value 0) when no row produced an
+    outcome (every row flagged an error): nothing observed is never a pass."""
+    if not np.asarray(counts).sum() > 0:
+        return ChiSquare(float("nan"), 0, 0.0, 0)
+    return chi_square_test(counts, probs)
 
 
 # --------------------------------------------------------------------------------------
@@ -706,10 +785,18 @@ def _continuations(target_table, v: int, length: int) -> list:
 
 def _dynamic(parent, draw, widths, select):
     """``parent`` of the full tree a dynamic tree of ``widths`` is kept from (checked)."""
+    if draw not in TREE_DRAWS:
+        raise ValueError(f"draw must be one of {TREE_DRAWS}, got {draw!r}")
     if widths is None:
         if select is not None:
             raise ValueError("select needs widths (a dynamic sampled tree)")
-        return np.asarray(parent, np.int32)
+        if parent is None:
+            raise ValueError("parent (the tree's parent array) is needed unless widths is given")
+        parent = np.asarray(parent)
+        if parent.ndim != 1 or parent.size == 0:
+            raise ValueError(f"parent must be a non-empty 1-D array of parent indices, got shape {parent.shape}")
+        _tree.shape_depths(parent)  # integers, topological order
+        return parent.astype(np.int32)
     if draw != "without_replacement":
         raise ValueError(f"a dynamic tree (widths) is drawn without replacement, not {draw!r}")
     full, _ = _tree.full_tree_shape(tuple(widths))
@@ -728,13 +815,14 @@ def exact_tree_law(law_fn: TreeLawFn, target_table, draft_table, parent,
     ``widths`` is enumerated and the nodes the rule ``select`` drops are invalid
     (:func:`dynamic_tree_valid`).
     Returns ``(law float64[V**(D+1)], expected tokens emitted by the round)``."""
+    parent = _dynamic(parent, draw, widths, select)
+    depth = _tree.shape_depths(parent)
+    length = int(depth.max()) + 1
+    _tables(target_table, draft_table, draft_sample_table, length - 1)
     target = normalize_table(target_table)
     reported = normalize_table(draft_table)
     sampled = reported if draft_sample_table is None else normalize_table(draft_sample_table)
     v = target.shape[1]
-    parent = _dynamic(parent, draw, widths, select)
-    depth = _tree.shape_depths(parent)
-    length = int(depth.max()) + 1
     tokens, prob = enumerate_trees(sampled, parent, draw)
     valid = None if widths is None else dynamic_tree_valid(tokens, widths, sampled, select)
     with jax.enable_x64(True):
@@ -779,10 +867,12 @@ def tree_monte_carlo_counts(verify_fn: TreeVerifyFn, seed: int, target_table, dr
     ``seed``; float32 inputs; keys ``round_key(row_keys(seed, i), 0)``; ``widths`` /
     ``select``: a dynamic tree, as in :func:`exact_tree_law`).
     Returns ``(counts int64[V**(D+1)], mean tokens emitted by the round, error count)``."""
-    target32, reported32, target, sampled = _mc_tables(target_table, draft_table, draft_sample_table)
-    v = target.shape[1]
+    num_rows = _count(num_rows, "num_rows", 1)
     parent = _dynamic(parent, draw, widths, select)
     length = int(_tree.shape_depths(parent).max()) + 1
+    _tables(target_table, draft_table, draft_sample_table, length - 1)
+    target32, reported32, target, sampled = _mc_tables(target_table, draft_table, draft_sample_table)
+    v = target.shape[1]
     rng = np.random.default_rng(seed)
     tokens = sample_trees(rng, sampled, parent, draw, num_rows)
     valid = None if widths is None else dynamic_tree_valid(tokens, widths, sampled, select)
@@ -820,5 +910,5 @@ def audit_tree_monte_carlo(verify_fn: TreeVerifyFn, seed: int, target_table, dra
         verify_fn, seed, target_table, draft_table, parent, draw, num_rows, **kwargs)
     v = np.asarray(target_table).shape[1]
     length = round(math.log(counts.size, v))
-    chi = chi_square_test(counts, target_joint_law(target_table, v, length))
+    chi = _chi_square_or_fail(counts, target_joint_law(target_table, v, length))
     return MonteCarloAudit(chi, mean_tokens, errors, bool(chi.p_value >= alpha and errors == 0))

@@ -83,14 +83,16 @@ class MeshConfig:
     def __post_init__(self):
         for f in ("data", "model"):
             v = getattr(self, f)
-            if not isinstance(v, int) or (v < 1 and v != -1):
+            if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
                 raise ValueError(f"mesh.{f} must be a positive int or -1, got {v!r}")
         if self.data == -1 and self.model == -1:
             raise ValueError("at most one mesh axis may be -1")
-        if not isinstance(self.dcn_data, int) or self.dcn_data < 1:
+        if isinstance(self.dcn_data, bool) or not isinstance(self.dcn_data, int) or self.dcn_data < 1:
             raise ValueError(f"mesh.dcn_data must be a positive int, got {self.dcn_data!r}")
 
     def sizes(self, n_devices: int) -> tuple:
+        if n_devices < 1:
+            raise ValueError(f"a mesh needs at least one device, got {n_devices}")
         data, model = self.data, self.model
         fixed = (data if data != -1 else 1) * (model if model != -1 else 1)
         if -1 not in (data, model) and fixed != n_devices:
@@ -115,6 +117,8 @@ def _norm_axis(name: str, value) -> AxisSpec:
         return None
     if isinstance(value, str):
         value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
+        raise ValueError(f"rule {name!r} -> {value!r}: a mesh axis name, a list of them, or null")
     value = tuple(value)
     for a in value:
         if a not in AXES:
@@ -134,6 +138,8 @@ class AxisRules:
 
     @classmethod
     def from_mapping(cls, m: Optional[Mapping[str, Any]]) -> "AxisRules":
+        if m is not None and not isinstance(m, Mapping):
+            raise ValueError(f"axis rules must be a mapping of logical names to mesh axes, got {m!r}")
         m = dict(m or {})
         return cls(tuple((str(k), _norm_axis(k, v)) for k, v in m.items()))
 
@@ -177,11 +183,25 @@ def sharding_from_dict(d: Mapping[str, Any], name: str = "<dict>") -> ShardingCo
     unknown = set(d) - {"name", "mesh", "rules", "indivisible"}
     if unknown:
         raise ValueError(f"sharding config {name}: unknown keys {sorted(unknown)}")
-    mesh = MeshConfig(**dict(d.get("mesh") or {}))
-    rules = dict(d.get("rules") or {})
+    mesh_d = d.get("mesh") or {}
+    if not isinstance(mesh_d, Mapping):
+        raise ValueError(f"sharding config {name}: mesh must be a mapping (data, model, dcn_data), got {mesh_d!r}")
+    bad = sorted(set(mesh_d) - {f.name for f in dataclasses.fields(MeshConfig)})
+    if bad:
+        raise ValueError(f"sharding config {name}: unknown mesh keys {bad} (known: data, model, dcn_data)")
+    mesh = MeshConfig(**dict(mesh_d))
+    rules = d.get("rules") or {}
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"sharding config {name}: rules must be a mapping (target, draft), got {rules!r}")
+    rules = dict(rules)
     bad = set(rules) - set(ROLES)
     if bad:
         raise ValueError(f"sharding config {name}: unknown rule sets {sorted(bad)} (known: {ROLES})")
+    for role in ROLES:
+        r = rules.get(role)
+        if r is not None and not isinstance(r, Mapping) and not (role == "draft" and r == "target"):
+            raise ValueError(f"sharding config {name}: rules.{role} must be a mapping of logical names to "
+                             f"mesh axes{' or the word target' if role == 'draft' else ''}, got {r!r}")
     target = AxisRules.from_mapping(rules.get("target"))
     draft = target if rules.get("draft") == "target" else AxisRules.from_mapping(rules.get("draft"))
     return ShardingConfig(name=str(d.get("name", name)), mesh=mesh, target=target, draft=draft,
@@ -194,8 +214,15 @@ def load_sharding_config(name_or_path: Union[str, os.PathLike], **mesh_overrides
     d, p = load_config(name_or_path, "mesh", what="sharding config")
     cfg = sharding_from_dict(d, name=p.stem)
     if mesh_overrides:
-        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **mesh_overrides))
+        cfg = dataclasses.replace(cfg, mesh=_override_mesh(cfg.mesh, mesh_overrides))
     return cfg
+
+
+def _override_mesh(mesh: MeshConfig, overrides: Mapping) -> MeshConfig:
+    bad = sorted(set(overrides) - {f.name for f in dataclasses.fields(MeshConfig)})
+    if bad:
+        raise TypeError(f"unknown mesh overrides {bad} (known: data, model, dcn_data)")
+    return dataclasses.replace(mesh, **overrides)
 
 
 # --------------------------------------------------------------------------------------
@@ -240,6 +267,10 @@ class MeshPlan:
     def spec(self, names: Sequence[Optional[str]], shape: Optional[Sequence[int]] = None,
              role: str = "target") -> P:
         rules = self.config.rules(role)
+        names = tuple(names)
+        if shape is not None and len(names) > len(shape):
+            raise ValueError(f"{role}: {len(names)} logical names {names} for an array of rank {len(shape)} "
+                             f"(shape {tuple(shape)})")
         used: set = set()
         out = []
         for i, n in enumerate(names):
@@ -296,7 +327,11 @@ class MeshPlan:
         top m are the global top m (the same values, so the sampling law is unchanged).
         Rows stay split over ``batch``'s axes. The engines pass it to the sampling
         pipeline (``process_rows(..., top_values=plan.top_values)``)."""
+        if getattr(z, "ndim", None) != 2:
+            raise ValueError(f"top_values: z must be [N, V], got shape {getattr(z, 'shape', None)}")
         n, v = z.shape
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 1 <= m <= v:
+            raise ValueError(f"top_values: m must be an integer in [1, V={v}], got {m!r}")
 
         def size(axes):
             return math.prod(self.mesh.shape[a] for a in axes) if axes else 1
@@ -383,7 +418,7 @@ def make_plan(config: Union[ShardingConfig, str, os.PathLike, None] = None,
     if not isinstance(config, ShardingConfig):
         config = load_sharding_config(config)
     if mesh_overrides:
-        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **mesh_overrides))
+        config = dataclasses.replace(config, mesh=_override_mesh(config.mesh, mesh_overrides))
     return MeshPlan(make_mesh(config.mesh, devices), config)
 
 

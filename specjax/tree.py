@@ -117,11 +117,23 @@ def full_tree_shape(branching, depth: Optional[int] = None):
     ``branching`` is an int (with ``depth`` levels) or a sequence, one branching factor
     per level (e.g. ``(3, 2, 1)``: 3 root children, 2 children each, 1 child each).
     """
-    if isinstance(branching, (int, np.integer)):
+    def whole(x, what):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise ValueError(f"full_tree_shape: {what} must be an integer, got {x!r}")
+        return int(x)
+
+    if depth is not None:
+        depth = whole(depth, "depth")
+    if isinstance(branching, (int, np.integer)) and not isinstance(branching, (bool, np.bool_)):
         if depth is None:
             raise ValueError("full_tree_shape(b, depth): give depth with an int branching")
-        branching = (int(branching),) * int(depth)
-    branching = tuple(int(b) for b in branching)
+        branching = (int(branching),) * depth
+    try:
+        branching = tuple(branching)
+    except TypeError:
+        raise ValueError(f"full_tree_shape: branching must be an int or a sequence of ints, "
+                         f"got {branching!r}") from None
+    branching = tuple(whole(b, "a branching factor") for b in branching)
     if depth is not None and len(branching) != depth:
         raise ValueError(f"{len(branching)} branching factors for depth {depth}")
     if not branching or min(branching) < 1:
@@ -204,6 +216,10 @@ def positional_tree_shape(nodes: int, accept=DEFAULT_SIBLING_ACCEPT, max_depth: 
 def shape_depths(parent) -> np.ndarray:
     """Host-side depths of a parent array (checks topological order)."""
     parent = np.asarray(parent)
+    if parent.ndim != 1:
+        raise ValueError(f"parent must be a 1-D array of parent indices, got shape {parent.shape}")
+    if parent.size and not np.issubdtype(parent.dtype, np.integer):
+        raise ValueError(f"parent must hold integer node indices, got dtype {parent.dtype}")
     depth = np.zeros(len(parent), np.int32)
     for i, par in enumerate(parent):
         if not -1 <= par < i:
@@ -214,9 +230,20 @@ def shape_depths(parent) -> np.ndarray:
 
 def make_tree(tokens, parent, q_root=None, q_node=None, valid=None) -> DraftTree:
     """A :class:`DraftTree` from tokens and a (host) parent array; depths computed."""
-    parent = np.asarray(parent, np.int32)
     depth = shape_depths(parent)
-    valid = np.ones(len(parent), bool) if valid is None else valid
+    parent = np.asarray(parent, np.int32)
+    n = len(parent)
+    valid = np.ones(n, bool) if valid is None else valid
+    for name, x in (("tokens", tokens), ("valid", valid)):
+        if np.shape(x) != (n,):
+            raise ValueError(f"make_tree: {name} has shape {np.shape(x)}, the parent array {n} nodes")
+    if not np.issubdtype(np.asarray(tokens).dtype, np.integer) and np.asarray(tokens).size:
+        raise TypeError(f"make_tree: tokens must be integer token ids, got dtype {np.asarray(tokens).dtype}")
+    if (q_root is None) != (q_node is None):
+        raise ValueError("make_tree: give both q_root and q_node, or neither")
+    if q_node is not None and (np.ndim(q_root) != 1 or np.shape(q_node) != (n, np.shape(q_root)[0])):
+        raise ValueError(f"make_tree: q_root [V] and q_node [N={n}, V] expected, got {np.shape(q_root)}, "
+                         f"{np.shape(q_node)}")
     return DraftTree(jnp.asarray(tokens, jnp.int32), jnp.asarray(parent), jnp.asarray(depth),
                      jnp.asarray(valid, bool),
                      None if q_root is None else jnp.asarray(q_root),
@@ -232,8 +259,12 @@ def chain_tree(draft_tokens, draft_logprobs=None, num_draft=None) -> DraftTree:
     ``p_root = t[0]``, ``p_node = t[1:]``, :func:`iid_tree_verify` draws what
     :func:`specjax.verify.token_verify` draws.  Works under jit / vmap.
     """
-    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
+    draft_tokens = _verify._int_tokens(draft_tokens)
     k = draft_tokens.shape[0]
+    if num_draft is not None and not isinstance(num_draft, jax.core.Tracer):
+        nd = np.asarray(num_draft)
+        if nd.ndim or not np.issubdtype(nd.dtype, np.integer) or not 0 <= int(nd) <= k:
+            raise ValueError(f"chain_tree: num_draft must be an integer in [0, K={k}], got {num_draft!r}")
     n = _verify.resolve_num_draft(num_draft, k)
     idx = jnp.arange(k, dtype=jnp.int32)
     q_root = q_node = None
@@ -254,6 +285,10 @@ def ancestor_mask(parent, valid=None, max_depth: Optional[int] = None) -> jax.Ar
     Every node's ancestors at once, one step up the tree at a time (``max_depth - 1``
     gathers of an [N] vector), not a loop over the nodes: on a GPU that loop ran 3 kernels a
     node every round (18 for the default 6-node tree, 132 for the 44-node one)."""
+    if max_depth is not None and int(max_depth) < 1:
+        raise ValueError(f"ancestor_mask: max_depth must be >= 1, got {max_depth!r}")
+    if not isinstance(parent, jax.core.Tracer) and not isinstance(valid, jax.core.Tracer):
+        _check_ancestors(np.asarray(parent), None if valid is None else np.asarray(valid))
     parent = jnp.asarray(parent, jnp.int32)
     n = parent.shape[0]
     steps = n - 1 if max_depth is None else max(0, min(int(max_depth), n) - 1)
@@ -266,6 +301,28 @@ def ancestor_mask(parent, valid=None, max_depth: Optional[int] = None) -> jax.Ar
     if valid is not None:
         m = m & jnp.asarray(valid, bool)[:, None]
     return m
+
+
+def _check_ancestors(parent: np.ndarray, valid) -> None:
+    """Concrete (host) inputs of :func:`ancestor_mask` checked: a 1-D integer parent array,
+    every valid node's parent in [-1, N), no cycle. Traced inputs are not checked here (the
+    verifiers flag a bad tree themselves)."""
+    if parent.ndim != 1 or (parent.size and not np.issubdtype(parent.dtype, np.integer)):
+        raise ValueError(f"ancestor_mask: parent must be a 1-D integer array, got {parent.dtype} {parent.shape}")
+    n = parent.shape[0]
+    valid = np.ones(n, bool) if valid is None else np.asarray(valid, bool)
+    if valid.shape != (n,):
+        raise ValueError(f"ancestor_mask: valid has shape {valid.shape}, parent {n} nodes")
+    bad = valid & ((parent < -1) | (parent >= n))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"ancestor_mask: parent[{i}] = {parent[i]} is not a node index in [-1, {n})")
+    up = np.arange(n)
+    for _ in range(n):
+        up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
+        up = np.where((up >= -1) & (up < n), up, -1)
+    if (valid & (up >= 0)).any():
+        raise ValueError("ancestor_mask: parent has a cycle (a node is its own ancestor)")
 
 
 def contexts(root, node):
@@ -423,19 +480,31 @@ def tree_prepare(tree: DraftTree, p_root, p_node, candidates: str, max_depth=Non
     point masses: never read) and the resolved ``max_depth``."""
     if candidates not in CANDIDATES:
         raise ValueError(f"candidates must be one of {CANDIDATES}, got {candidates!r}")
-    n = tree.tokens.shape[0]
+    tokens = _verify._int_tokens(tree.tokens, "tree.tokens")
+    n = tokens.shape[0]
+    for name in ("parent", "depth", "valid"):
+        x = getattr(tree, name)
+        if jnp.shape(x) != (n,):
+            raise ValueError(f"tree.{name} has shape {jnp.shape(x)}, tree.tokens {(n,)}: one entry per node")
+        dt = jnp.result_type(x)
+        if name != "valid" and not jnp.issubdtype(dt, jnp.integer):
+            raise TypeError(f"tree.{name} must be integers, got dtype {dt}")
+    if jnp.ndim(p_root) != 1 or jnp.shape(p_root)[0] < 1 or jnp.shape(p_node) != (n, jnp.shape(p_root)[0]):
+        raise ValueError(f"p_root [V] and p_node [N={n}, V] expected, got {jnp.shape(p_root)}, "
+                         f"{jnp.shape(p_node)}")
     P = contexts(jnp.asarray(p_root, dtype), jnp.asarray(p_node, dtype))
-    if P.shape[0] != n + 1:
-        raise ValueError(f"p_node has {P.shape[0] - 1} rows for {n} nodes")
     if candidates == "point_mass":
         Q = P  # never read
     else:
         if tree.q_root is None or tree.q_node is None:
             raise ValueError(f"candidates={candidates!r} needs the tree's q_root and q_node")
+        if jnp.shape(tree.q_root) != jnp.shape(p_root) or jnp.shape(tree.q_node) != jnp.shape(p_node):
+            raise ValueError(f"q_root {jnp.shape(tree.q_root)} / q_node {jnp.shape(tree.q_node)} must match "
+                             f"p_root {jnp.shape(p_root)} / p_node {jnp.shape(p_node)}")
         Q = contexts(jnp.asarray(tree.q_root, dtype), jnp.asarray(tree.q_node, dtype))
-        if Q.shape != P.shape:
-            raise ValueError(f"q rows {Q.shape} vs p rows {P.shape}")
     max_depth = n if max_depth is None else int(max_depth)
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
     tree = tree._replace(tokens=jnp.asarray(tree.tokens, jnp.int32),
                          parent=jnp.asarray(tree.parent, jnp.int32),
                          depth=jnp.asarray(tree.depth, jnp.int32),
@@ -547,6 +616,9 @@ def tree_verify(key, tree: DraftTree, p_root, p_node, candidates: str = "iid", *
     the sync-free descent (:func:`descend`), the :func:`max_tries` of the shape the trees
     are drawn in; a descent that needs more is an error, never a shortened one.
     """
+    if max_tries is not None and (isinstance(max_tries, bool) or not isinstance(max_tries, (int, np.integer))
+                                  or max_tries < 1):
+        raise ValueError(f"max_tries must be an integer >= 1, got {max_tries!r}")
     tree, P, Q, max_depth = tree_prepare(tree, p_root, p_node, candidates, max_depth)
     error = tree_validate(tree, P, Q, candidates, max_depth)
     cur, num, path, r, _, unfinished = descend(key, tree, P, Q, tree_step(candidates), max_depth, max_tries)

@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import keys as _keys
 from specjax.sampling import logsumexp, row_sum, sample
@@ -286,13 +287,33 @@ def finish(key, draft_tokens, draft_logprobs, target_logprobs, tau, n, log_w_tau
     return assemble(draft_tokens, tau, final_draw(key, weights, tau, n, single=single), error)
 
 
-def prepare_inputs(draft_tokens, draft_logprobs, target_logprobs, num_draft):
+def _int_tokens(draft_tokens, name: str = "draft_tokens"):
+    """``draft_tokens`` as int32 [K]: TypeError for a non-integer dtype (a float array would
+    be truncated into other tokens), ValueError unless 1-D (static checks: jit-safe)."""
+    dt = jnp.result_type(draft_tokens)
+    if not (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.bool_)):
+        raise TypeError(f"{name} must be integer token ids, got dtype {dt}")
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-    draft_logprobs = jnp.asarray(draft_logprobs, jnp.float32)
-    target_logprobs = jnp.asarray(target_logprobs, jnp.float32)
+    if draft_tokens.ndim != 1:
+        raise ValueError(f"{name} must be 1-D [K] (one row; vmap over a batch), got shape "
+                         f"{draft_tokens.shape}")
+    return draft_tokens
+
+
+def _float_rows(x, name: str):
+    dt = jnp.result_type(x)
+    if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+        raise TypeError(f"{name} must be real numbers (log-probs), got dtype {dt}")
+    return x
+
+
+def prepare_inputs(draft_tokens, draft_logprobs, target_logprobs, num_draft):
+    draft_tokens = _int_tokens(draft_tokens)
+    draft_logprobs = jnp.asarray(_float_rows(draft_logprobs, "draft_logprobs"), jnp.float32)
+    target_logprobs = jnp.asarray(_float_rows(target_logprobs, "target_logprobs"), jnp.float32)
     k = draft_tokens.shape[0]
-    if draft_logprobs.shape[0] != k or target_logprobs.shape != (k + 1,) + \
-            draft_logprobs.shape[1:]:
+    if draft_logprobs.ndim != 2 or draft_logprobs.shape[0] != k or draft_logprobs.shape[1] < 1 \
+            or target_logprobs.shape != (k + 1,) + draft_logprobs.shape[1:]:
         raise ValueError(
             f"shapes: draft_tokens [K], draft_logprobs [K, V], target_logprobs [K+1, V]; got "
             f"{draft_tokens.shape}, {draft_logprobs.shape}, {target_logprobs.shape}")
@@ -336,9 +357,12 @@ def greedy_verify(draft_tokens, target_logits, num_draft=None) -> VerifyResult:
     output token for token; it is not a sampling law and says nothing about
     temperature > 0.  ``target_logits`` [K+1, V] may be raw logits or log-probs.
     """
-    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-    logits = jnp.asarray(target_logits, jnp.float32)
+    draft_tokens = _int_tokens(draft_tokens)
+    logits = jnp.asarray(_float_rows(target_logits, "target_logits"), jnp.float32)
     k = draft_tokens.shape[0]
+    if logits.ndim != 2 or logits.shape[0] != k + 1 or logits.shape[1] < 1:
+        raise ValueError(f"shapes: draft_tokens [K], target_logits [K+1, V]; got {draft_tokens.shape}, "
+                         f"{logits.shape}")
     v = logits.shape[-1]
     n = resolve_num_draft(num_draft, k)
     t_used = jnp.arange(k + 1) <= n
@@ -378,5 +402,7 @@ def expected_tokens_per_round(alphas, k=None) -> jax.Array:
     """
     a = jnp.asarray(alphas, jnp.float32)
     if k is not None:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"expected_tokens_per_round: k must be an integer >= 0, got {k!r}")
         a = jnp.broadcast_to(a[..., None], a.shape + (int(k),))
     return 1.0 + jnp.sum(jnp.cumprod(a, axis=-1), axis=-1)

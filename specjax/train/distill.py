@@ -281,6 +281,79 @@ def target_vocab(spec: TargetSpec) -> int:
     return _target_config_value(spec, "vocab_size")
 
 
+def _target_llama_config(spec: TargetSpec):
+    """The target's LlamaConfig from its spec alone (no weights loaded)."""
+    from specjax.models.llama import LlamaConfig, tiny_config
+
+    if spec.kind == "tiny":
+        return tiny_config(**spec.config)
+    return LlamaConfig(**load_yaml_config("smollm2-135m", "models")[0]["config"])
+
+
+def _check_draft_shape(cfg: "RunConfig", v: int) -> None:
+    """What :func:`build_draft` would refuse (or silently override) after the data is paid
+    for, refused here: a target_init draft deeper than the target, ``draft.config`` where it
+    is not read, EAGLE overrides that are not EagleConfig fields, that ``draft.n_layers`` /
+    ``draft.vocab_subset`` set, or that do not fit the target."""
+    dr = cfg.draft
+    dc = dr.config or {}
+    if dr.kind == "target_init":
+        nl = _target_config_value(cfg.target, "n_layers")
+        if dr.n_layers > nl:
+            raise ConfigError(f"draft.n_layers={dr.n_layers} exceeds the target's {nl} layers")
+        if dr.config is not None:
+            raise ConfigError("draft.config is not read by a target_init draft (its layers are the target's): "
+                              "remove it")
+    if dr.kind != "eagle":
+        return
+    from specjax.models.eagle import EagleConfig
+
+    fields = {f.name for f in dataclasses.fields(EagleConfig)}
+    bad = sorted(set(dc) - fields)
+    if bad:
+        raise ConfigError(f"draft.config: unknown EagleConfig fields {bad}")
+    for k, where in (("n_layers", "draft.n_layers"), ("vocab_subset", "draft.vocab_subset")):
+        if k in dc:
+            raise ConfigError(f"set {where}, not draft.config.{k} (draft.config.{k} would be ignored)")
+    try:
+        tcfg = _target_llama_config(cfg.target)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"target.config: {e}") from None
+    if "dim" in dc and dc["dim"] != tcfg.dim:
+        raise ConfigError(f"draft.config.dim={dc['dim']}: an EAGLE head has the target's width {tcfg.dim}")
+    try:
+        EagleConfig.for_target(tcfg, **dict(dc, n_layers=dr.n_layers, vocab_subset=dr.vocab_subset,
+                                            feature_layers=tuple(dr.feature_layers)))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"draft.config: {e}") from None
+
+
+def _check_prompt_files(cfg: "RunConfig", v: int) -> None:
+    """Both splits have prompts (training ones left after the held-out ones are removed), and
+    ``prompt_format: ids`` lines are token ids in [0, V) (an id past the vocabulary would be
+    clamped by the embedding lookup into another token, silently)."""
+    dc = cfg.data
+    held = prompt_lines(dc.heldout)
+    train_lines = training_lines(dc)[0]
+    if not held:
+        raise ConfigError("data.heldout: no prompts (every line is empty or a # comment)")
+    if not train_lines:
+        raise ConfigError("data.prompts: no prompts left (empty, or every one is also a held-out prompt)")
+    if dc.prompt_format != "ids":
+        return
+    for f, lines in (("prompts", train_lines), ("heldout", held)):
+        for ln in lines:
+            try:
+                ids = [int(t) for t in ln.split()]
+            except ValueError:
+                raise ConfigError(f"data.{f}: prompt_format ids needs whitespace-separated token ids, got "
+                                  f"{ln[:60]!r}") from None
+            bad = [t for t in ids if not 0 <= t < v]
+            if bad:
+                raise ConfigError(f"data.{f}: token id {bad[0]} outside the target's vocabulary [0, {v}) "
+                                  f"in {ln[:60]!r}")
+
+
 def load_config(src) -> RunConfig:
     """A RunConfig from a YAML path or a dict; every bad value fails here, before any work."""
     if isinstance(src, (str, os.PathLike)):
@@ -311,6 +384,8 @@ def load_config(src) -> RunConfig:
     dc = cfg.draft.config or {}
     if "vocab_size" in dc and dc["vocab_size"] != v:
         raise ConfigError(f"vocabulary mismatch: the draft has V={dc['vocab_size']}, the target V={v}")
+    if cfg.data.topk > v:
+        raise ConfigError(f"data.topk={cfg.data.topk} exceeds the target's V={v}")
     if cfg.draft.vocab_subset > v:
         raise ConfigError(f"draft.vocab_subset={cfg.draft.vocab_subset} exceeds the target's V={v}")
     if cfg.draft.kind != "eagle" and cfg.draft.vocab_subset:
@@ -345,6 +420,8 @@ def load_config(src) -> RunConfig:
             LlamaConfig(**dict(dc, vocab_size=v))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"draft.config: {e}") from e
+    _check_draft_shape(cfg, v)
+    _check_prompt_files(cfg, v)
     return cfg
 
 
@@ -904,16 +981,25 @@ def _check_resume(out_dir, cfg: RunConfig) -> Optional[int]:
     path = os.path.join(out_dir, "config.json")
     if step is None:
         return None
-    if os.path.isfile(path):
+    if not os.path.isfile(path):
+        raise ResumeError(f"{out_dir} holds checkpoints (step {step}) but no config.json: they cannot be "
+                          "matched to this config; give a new out_dir, or remove it to start over")
+    try:
         with open(path) as f:
-            old = _flat(json.load(f))
-        new = _flat(json.loads(json.dumps(cfg.to_dict())))
-        diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE]
-        if diff:
-            verb = "differs" if len(diff) == 1 else "differ"
-            raise ResumeError(f"{out_dir} holds checkpoints of a run with another config ({', '.join(diff[:6])}"
-                              f"{' ...' if len(diff) > 6 else ''} {verb}): give a new out_dir, "
-                              "or remove it to start over")
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError("not a mapping")
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"{path} is unreadable ({e}): the checkpoints in {out_dir} cannot be matched to "
+                          "this config; give a new out_dir, or remove it to start over") from None
+    old = _flat(old)
+    new = _flat(json.loads(json.dumps(cfg.to_dict())))
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE]
+    if diff:
+        verb = "differs" if len(diff) == 1 else "differ"
+        raise ResumeError(f"{out_dir} holds checkpoints of a run with another config ({', '.join(diff[:6])}"
+                          f"{' ...' if len(diff) > 6 else ''} {verb}): give a new out_dir, "
+                          "or remove it to start over")
     if step > cfg.train.steps:
         raise ResumeError(f"{out_dir} holds a checkpoint at step {step}, past train.steps={cfg.train.steps}: "
                           f"ask for {step} steps or more, or give a new out_dir")
