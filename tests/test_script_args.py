@@ -198,3 +198,17 @@ def test_prompt_files_lose_a_byte_order_mark(tmp_path):
     assert configs.read_prompt_file(tmp_path / "bom.txt") == ["hello", "wörld"]
     (tmp_path / "bom_comment.txt").write_bytes("\ufeff# a comment first\nhi\n".encode("utf-8"))
     assert configs.read_prompt_file(tmp_path / "bom_comment.txt") == ["hi"]
+
+
+def test_sim_auto_rule_checks_its_lists_before_simulating(capsys, monkeypatch):
+    from scripts import sim_auto_rule
+
+    monkeypatch.setattr(sim_auto_rule, "simulator", lambda *a, **k: pytest.fail("simulated"))
+    m = sim_auto_rule.main
+    _expect_usage_errors([
+        (m, ["--rates", "0.5"], "--rates mean:sd"),
+        (m, ["--rates", "1.5:0.1"], "--rates mean:sd"),
+        (m, ["--tables", "amd,arm"], "bad list"),
+        (m, ["--budgets", "0"], "--budgets must be >= 1"),
+        (m, ["--calls", "x"], "invalid int value"),
+    ], capsys)
