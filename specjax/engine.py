@@ -144,9 +144,6 @@ def memory_limit() -> Optional[int]:
         return None
 
 
-_CACHE_BYTES: dict = {}  # (model type, config, rows, cache length) -> KV cache bytes
-
-
 def check_cache_memory(model, rows: int, cache_len: int) -> None:
     """ValueError (one line) where the model's KV cache for ``rows`` rows of ``cache_len``
     slots alone would not fit in :func:`memory_limit`: a clear error before any work
@@ -156,16 +153,8 @@ def check_cache_memory(model, rows: int, cache_len: int) -> None:
     init = getattr(model, "init_cache", None)
     if limit is None or init is None:
         return
-    try:  # memoized by the model's config where it is hashable: a dataset run asks at every pause
-        key = (type(model), model.config, int(rows), int(cache_len))
-        need = _CACHE_BYTES.get(key)
-    except (AttributeError, TypeError):
-        key = need = None
-    if need is None:
-        shapes = jax.eval_shape(lambda: init(int(rows), int(cache_len)))
-        need = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-        if key is not None:
-            _CACHE_BYTES[key] = need
+    shapes = jax.eval_shape(lambda: init(int(rows), int(cache_len)))
+    need = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     if need > limit:
         raise ValueError(f"the KV cache of {rows} row(s) x {cache_len} positions needs {need / 2 ** 30:.1f} GiB, "
                          f"more than the devices' {limit / 2 ** 30:.1f} GiB: lower max_new_tokens, the prompts' "
