@@ -58,6 +58,7 @@ from specjax.models.base import KVCache, embedding_weights
 from specjax.models.cpu_kernels import compute_id as kernels_compute_id
 from specjax.models.cpu_kernels import use_attention
 from specjax.models.llama import (MATRIX_KEYS, LlamaConfig, RopeScaling, _linear, _normal, _over_sqrt_fan_in, apply_rope,
+                                  check_size, check_step, init_key,
                                   kernel_attention, rms_norm, rope_tables)
 
 # canonical per-layer tensors (PyTorch [out, in] orientation, stacked on a leading L axis),
@@ -192,7 +193,8 @@ class EagleConfig:
         if len(set(fl)) != len(fl):
             raise ValueError(f"EagleConfig.feature_layers has a repeated index: {list(fl)}")
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in fl))
-        if not isinstance(self.vocab_subset, (int, np.integer)) or not 0 <= self.vocab_subset <= self.vocab_size:
+        if not isinstance(self.vocab_subset, (int, np.integer)) or isinstance(self.vocab_subset, (bool, np.bool_)) \
+                or not 0 <= self.vocab_subset <= self.vocab_size:
             raise ValueError(f"EagleConfig.vocab_subset must be in [0, vocab_size={self.vocab_size}], "
                              f"got {self.vocab_subset!r}")
         if isinstance(self.rope_scaling, Mapping):
@@ -274,7 +276,7 @@ def random_trainable(cfg: EagleConfig, seed: int = 0, copy_feature: bool = True)
     D, L = cfg.dim, cfg.n_layers
     shapes = {k: v for k, v in trainable_shapes(cfg).items()
               if k in MATRIX_KEYS}
-    keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
+    keys = jax.random.split(init_key(seed), len(shapes) + 1)
     layers = {n: _over_sqrt_fan_in(_normal(kk, s)) for kk, (n, s) in zip(keys[1:], sorted(shapes.items()))}
     layers["attn_norm"] = np.ones((L, D), np.float32)
     layers["mlp_norm"] = np.ones((L, D), np.float32)
@@ -529,6 +531,7 @@ class EagleModel:
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         lc = self.config.layer_config()
+        batch, max_len = check_size("batch", batch), check_size("max_len", max_len)
         shape = (lc.n_layers, batch, lc.n_kv_heads, max_len, lc.head_dim)
         dt = lc.compute_dtype
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
@@ -540,11 +543,22 @@ class EagleModel:
         return self.config.feature_layers or None
 
     def apply(self, params, hidden, tokens, cache: KVCache):
-        """The cached step on head features (:meth:`EagleHead.__call__`)."""
+        """The cached step on head features (:meth:`EagleHead.__call__`): ``hidden`` [B, T, dim],
+        ``tokens`` [B, T] (checked as :func:`specjax.models.llama.check_step` checks a model's)."""
+        tokens = check_step(tokens, cache, self.vocab_size, "EagleModel.apply")
+        if tuple(hidden.shape) != tuple(tokens.shape) + (self.config.dim,):
+            raise ValueError(f"EagleModel.apply: hidden must be [batch, T, dim] = "
+                             f"{tuple(tokens.shape) + (self.config.dim,)} (the head's features: "
+                             f"fuse the target's), got {tuple(hidden.shape)}")
         return self.module(params)(hidden, jnp.asarray(tokens, jnp.int32), cache)
 
     def fuse(self, params, target_hidden):
         """The target's hidden states -> head features (:meth:`EagleHead.fuse`)."""
+        if target_hidden.shape[-1] != self.config.feature_dim:
+            raise ValueError(f"EagleModel.fuse: the target's hidden states must have "
+                             f"{self.config.feature_dim} features (feature_layers "
+                             f"{list(self.config.feature_layers)} of dim {self.config.dim}), "
+                             f"got shape {tuple(target_hidden.shape)}")
         return self.module(params).fuse(target_hidden)
 
     def full_logits(self, params, h):

@@ -243,8 +243,20 @@ class LlamaConfig:
     def __post_init__(self):
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or v <= 0:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v <= 0:
                 raise ValueError(f"LlamaConfig.{f} must be a positive int, got {v!r}")
+        for f in ("attn_chunk", "max_position"):  # 0: one pass over the cache / no known context
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 0:
+                raise ValueError(f"LlamaConfig.{f} must be an int >= 0, got {v!r}")
+        for f, low in (("rope_theta", "> 0"), ("norm_eps", ">= 0"), ("rope_local_theta", "> 0")):
+            v = getattr(self, f)  # a base of 0 or below (or NaN) turns every RoPE angle into NaN
+            if v is None and f == "rope_local_theta":
+                continue
+            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+                and math.isfinite(v) and (v > 0 if low == "> 0" else v >= 0)
+            if not ok:
+                raise ValueError(f"LlamaConfig.{f} must be a finite number {low}, got {v!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -1383,12 +1395,31 @@ def _over_sqrt_fan_in(x):
     return x * (np.float32(1) / np.float32(c)) if isinstance(x, np.ndarray) else x / c
 
 
+INIT_SEED_BITS = 64  # init seeds are integers in [0, 2**64), as specjax.keys' seeds
+
+
+def init_key(seed) -> jax.Array:
+    """The base key of a weight-init ``seed`` (an integer in [0, 2**64), else ValueError):
+    exactly ``jax.random.key(seed)`` below 2**32; above, the key of both 32-bit words (as
+    :func:`specjax.keys.seed_key`), where ``jax.random.key`` would keep the low 32 bits only
+    (2**32 would be seed 0's weights, -1 seed 2**32 - 1's)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= int(seed) < 2 ** INIT_SEED_BITS:
+        raise ValueError(f"seed must be an integer in [0, 2**{INIT_SEED_BITS}), got {seed!r}")
+    seed = int(seed)
+    if seed < 2 ** 32:
+        return jax.random.key(seed)
+    if jax.config.jax_default_prng_impl != "threefry2x32":
+        raise ValueError(f"seed {seed} needs the threefry2x32 PRNG (seeds below 2**32 work with any)")
+    return jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+
+
 def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
     """Canonical weights with a scaled-normal init (std 1/sqrt(fan_in); embeddings std 1).
     float32 jax arrays, or numpy ones for small tensors (:func:`_normal`; the same values:
-    the scaling is the float32 arithmetic XLA does)."""
+    the scaling is the float32 arithmetic XLA does). ``seed``: :func:`init_key`."""
     shapes = expected_shapes(cfg)
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    keys = jax.random.split(init_key(seed), len(shapes))
     out = {}
     for key, (name, shp) in zip(keys, sorted(shapes.items())):
         x = _normal(key, shp)
@@ -1401,6 +1432,57 @@ def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
         else:
             out[name] = _over_sqrt_fan_in(x)
     return out
+
+
+def check_size(name: str, value) -> int:
+    """``value`` as a Python int >= 1 (numpy's integers accepted), else ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _concrete(x) -> bool:
+    """``x`` holds values (not a tracer inside jit / vmap / scan): they can be checked."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_step(tokens, cache: KVCache, vocab_size: int, where: str, tree=None):
+    """The host-side checks of one cached step (``apply``) of ``tokens`` [B, T] on ``cache``:
+    ValueError / TypeError (one line, before any work) unless ``tokens`` is a 2-D integer array
+    with the cache's batch. Where the values are known (an eager call, not a trace: the
+    engine's jitted programs pay nothing), also unless every token id lies in [0, V) (the
+    embedding gather would read a NaN row or wrap -1 to V-1) and every row's T new positions
+    fit in the cache (a write past its end is dropped, and the step's output reads slots it
+    never wrote). Returns ``tokens`` (a host list as a numpy array)."""
+    if not isinstance(tokens, (jax.Array, np.ndarray)):
+        tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"{where}: tokens must be [batch, T], got shape {tuple(tokens.shape)}")
+    if not (jnp.issubdtype(tokens.dtype, jnp.integer)):
+        raise TypeError(f"{where}: tokens must be integer token ids, got dtype {tokens.dtype}")
+    b, t = tokens.shape
+    lengths = cache.lengths
+    if tuple(lengths.shape) != (b,) or cache.k.shape[1] != b:
+        raise ValueError(f"{where}: tokens have batch {b}, the cache {cache.k.shape[1]} rows "
+                         f"(lengths of shape {tuple(lengths.shape)})")
+    if _concrete(tokens) and tokens.size:
+        ids = np.asarray(tokens)
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}), got "
+                             f"{int(ids.min())}..{int(ids.max())}")
+    if _concrete(lengths):
+        lens = np.asarray(lengths).astype(np.int64)
+        end = lens + t
+        if tree is not None:
+            offset = getattr(tree, "offset", None)
+            if offset is None or not _concrete(offset):
+                return tokens
+            end = end + np.asarray(offset).astype(np.int64)
+        s = cache.max_len
+        if lens.size and (lens.min() < 0 or end.max() > s):
+            raise ValueError(f"{where}: cache lengths {lens.min()}..{lens.max()} + {t} new positions "
+                             f"do not fit the cache of {s} slots (lengths must be >= 0)")
+    return tokens
 
 
 class LlamaLM:
@@ -1454,6 +1536,7 @@ class LlamaLM:
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         c = self.config
+        batch, max_len = check_size("batch", batch), check_size("max_len", max_len)
         shape = (c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim)
         dt = c.compute_dtype if dtype is None else dtype
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch,), jnp.int32))
@@ -1469,7 +1552,10 @@ class LlamaLM:
               tree: Optional[TreeAttention] = None) -> ModelOutput:
         """``return_hidden``: False, True (final hidden states) or a tuple of hidden-state
         indices (:func:`specjax.models.base.hidden_indices`). ``tree``: tree attention (:class:`specjax.models.base.TreeAttention`; lengths
-        unchanged), through the CPU attention kernel where a causal call would use it."""
+        unchanged), through the CPU attention kernel where a causal call would use it.
+        ``tokens`` [B, T] int token ids, checked by :func:`check_step` (their values and
+        the cache's room only in an eager call: a jitted caller checks its own input)."""
+        tokens = check_step(tokens, cache, self.vocab_size, "LlamaLM.apply", tree=tree)
         return nnx.merge(self.graphdef, params)(jnp.asarray(tokens, jnp.int32), cache, return_hidden,
                                                 tree)
 

@@ -35,8 +35,13 @@ def main(argv=None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     args = ap.parse_args(argv)
-
-    cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.k < 1:
+        ap.error(f"argument --k: K must be an integer >= 1, got {args.k}")
+    try:
+        keys.check_seed(args.seed)
+        cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    except ValueError as e:
+        ap.error(str(e))
     target_logits, draft_logits = _toy_logits(args.seed, args.k)
     # One pipeline, one call, for both sides (target rows first, then the draft rows).
     both = process_logits(jnp.concatenate([target_logits, draft_logits]),

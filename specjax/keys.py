@@ -10,6 +10,7 @@ Roles are distinct integers; no key is used for two roles.
 from __future__ import annotations
 
 import numbers
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,11 @@ def seed_key(seed: int) -> jax.Array:
 
 
 def row_keys(seed: int, row_indices) -> jax.Array:
-    """Keys for rows identified by their index in a dataset (not their batch slot)."""
+    """Keys for rows identified by their index in a dataset (not their batch slot):
+    ``row_indices`` a flat sequence, one index per row."""
     base = seed_key(seed)
+    if np.ndim(row_indices) != 1:
+        raise ValueError(f"row indices must be a flat sequence (one per row), got shape {np.shape(row_indices)}")
     idx = jnp.asarray(check_row_indices(row_indices))
     return jax.vmap(lambda i: fold_in(base, i))(idx)
 
@@ -112,6 +116,36 @@ def _unrolled(key) -> bool:
             and str(jax.random.key_impl(key)) == "threefry2x32" and bool(jax.config.jax_threefry_partitionable))
 
 
+def _check_shape(shape) -> tuple:
+    """``shape`` as a tuple of Python ints >= 0 (never a float cut to an int), else ValueError."""
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        dims = None
+    if dims is None or any(isinstance(d, (bool, np.bool_)) for d in shape) or any(d < 0 for d in dims):
+        raise ValueError(f"shape must be a sequence of integers >= 0, got {shape!r}")
+    return dims
+
+
+def _check_data(data):
+    """What :func:`fold_in` folds in: an integer. A host value (Python or numpy) must lie in
+    [0, 2**32): it is folded in as uint32, so 2**32 would be 0's key and -1 that of
+    2**32 - 1 (another round, role or position). Traced values: their dtype only."""
+    if isinstance(data, (bool, np.bool_)):
+        raise TypeError(f"fold_in data must be an integer, got {data!r}")
+    if np.ndim(data) != 0:
+        raise ValueError(f"fold_in data must be a scalar (jax.vmap over several), got shape {np.shape(data)}")
+    if isinstance(data, jax.Array):  # traced or on a device: checked by dtype (no transfer)
+        if not jnp.issubdtype(data.dtype, jnp.integer):
+            raise TypeError(f"fold_in data must be an integer, got dtype {data.dtype}")
+        return
+    a = np.asarray(data)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"fold_in data must be an integer, got {data!r}")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= 2 ** 32):
+        raise ValueError(f"fold_in data must lie in [0, 2**32) (folded in as uint32), got {data!r}")
+
+
 def random_bits(key: jax.Array, shape) -> jax.Array:
     """``jax.random.bits(key, shape, jnp.uint32)``, bit for bit, computed by the unrolled
     hash when :func:`_unrolled` holds: value i (row-major) is the xor of the two words of
@@ -119,7 +153,7 @@ def random_bits(key: jax.Array, shape) -> jax.Array:
     over the vocabulary): about 2x faster than JAX's rolled loop for one row of 49,152
     values on 2 CPU cores, 7.6x for four. Any other key, or 2**32 values or more:
     ``jax.random.bits``."""
-    shape = tuple(int(d) for d in shape)
+    shape = _check_shape(shape)
     n = int(np.prod(shape, dtype=np.int64))
     if not _unrolled(key) or n >= 2 ** 32:
         return jax.random.bits(key, shape, jnp.uint32)
@@ -131,7 +165,9 @@ def random_bits(key: jax.Array, shape) -> jax.Array:
 
 def fold_in(key: jax.Array, data) -> jax.Array:
     """``jax.random.fold_in(key, data)``, bit for bit (the hash of the count (0, data) as
-    uint32), unrolled when :func:`_unrolled` holds, else JAX's."""
+    uint32), unrolled when :func:`_unrolled` holds, else JAX's. ``data``: an integer, in
+    [0, 2**32) when given on the host (ValueError: never wrapped onto another value)."""
+    _check_data(data)
     if not _unrolled(key):
         return jax.random.fold_in(key, data)
     k = jax.random.key_data(key)

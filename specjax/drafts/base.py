@@ -51,6 +51,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, runtime_checka
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 # How a draft's top-k / top-p cut is made (specjax.sampling.process_rows' ``cut``), for
@@ -186,6 +187,30 @@ def draft_chain(k: int, step, final_draw, carry):
     else:
         tokens, logprobs = x_last[:, None], lp_last[:, None]
     return carry, tokens.astype(jnp.int32), logprobs
+
+
+def check_int(owner: str, name: str, value, low: int = 1) -> int:
+    """``value`` as a Python int >= ``low`` (numpy's integers accepted: the engine's K is a
+    static Python int), else ValueError naming ``owner.name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_fields(proposer, **lows) -> None:
+    """Check (and store as Python ints) the integer fields ``lows`` (name -> lowest value)
+    of a frozen dataclass proposer, in its ``__post_init__``."""
+    for name, low in lows.items():
+        object.__setattr__(proposer, name, check_int(type(proposer).__name__, name, getattr(proposer, name), low))
+
+
+def check_draft_model(proposer, *needs: str) -> None:
+    """TypeError unless the proposer's ``model`` has the attributes ``needs``."""
+    model = proposer.model
+    missing = [n for n in needs if not hasattr(model, n)]
+    if missing:
+        raise TypeError(f"{type(proposer).__name__}: model must be a draft model with {', '.join(needs)}; "
+                        f"{type(model).__name__} has no {', '.join(missing)}")
 
 
 class ModelBackedProposer:

@@ -34,6 +34,8 @@ from specjax.drafts.base import (
     ModelBackedProposer,
     Proposal,
     ProposeContext,
+    check_draft_model,
+    check_fields,
     draft_chain,
 )
 from specjax.keys import DRAFT, position_key, role_key
@@ -62,6 +64,10 @@ class EagleProposer(ModelBackedProposer):
     # commits after its last one.
     plain_backlog: int = 128
     catch_up_chunk: int = 32
+
+    def __post_init__(self):
+        check_fields(self, k=1, plain_backlog=0, catch_up_chunk=0)
+        check_draft_model(self, "apply", "init_cache", "vocab_size", "fuse", "hidden_layers")
 
     @property
     def hidden_layers(self):

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.drafts.base import CommitContext, Proposal, ProposeContext
+from specjax.drafts.base import CommitContext, Proposal, ProposeContext, check_fields
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -29,6 +29,12 @@ class PromptLookupProposer:
     min_prompt_len: int = 1
     always_drafts: bool = False  # num_draft is 0 where nothing matched
     params: Any = None
+
+    def __post_init__(self):
+        check_fields(self, vocab_size=1, k=1, min_ngram=1, max_ngram=1)
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(f"PromptLookupProposer: max_ngram={self.max_ngram} is below "
+                             f"min_ngram={self.min_ngram} (n-grams are tried from max_ngram down to min_ngram)")
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         return ()

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.keys import DRAFT, position_key, role_key
 from specjax.drafts.base import (
@@ -21,6 +22,8 @@ from specjax.drafts.base import (
     ModelBackedProposer,
     Proposal,
     ProposeContext,
+    check_draft_model,
+    check_fields,
     draft_chain,
 )
 from specjax.models.base import prefill
@@ -36,6 +39,13 @@ class DraftModelProposer(ModelBackedProposer):
     needs_target_hidden: bool = False
     min_prompt_len: int = 2
     always_drafts: bool = True  # num_draft is K for every row (speed only: see module doc)
+
+    def __post_init__(self):
+        check_fields(self, k=1)
+        check_draft_model(self, "apply", "init_cache", "vocab_size")
+        if hasattr(self.model, "fuse"):  # its apply reads the target's features: another contract
+            raise TypeError(f"DraftModelProposer: {type(self.model).__name__} is a feature head "
+                            "(it needs the target's hidden states): use EagleProposer")
 
     def init(self, params, prompt_tokens, prompt_lens, cache_len, target_hidden=None):
         b = prompt_tokens.shape[0]
@@ -93,7 +103,8 @@ class DraftModelProposer(ModelBackedProposer):
 
 def check_first_layers(n_layers: int, target_layers: int) -> None:
     """ValueError unless a ``layers:N`` draft can take ``n_layers`` of ``target_layers``."""
-    if not 1 <= n_layers <= target_layers:
+    if isinstance(n_layers, (bool, np.bool_)) or not isinstance(n_layers, (int, np.integer)) \
+            or not 1 <= n_layers <= target_layers:
         raise ValueError(f"layers:{n_layers}: the target has {target_layers} layers (give 1 to {target_layers})")
 
 
