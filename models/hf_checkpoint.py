@@ -295,19 +295,20 @@ def _safetensor_files(folder: Path) -> list[Path]:
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def _read_tensors(paths, weight_map: Optional[dict] = None, folder: Optional[Path] = None) -> dict:
-    """Every tensor of the files as float32; with ``weight_map`` (a sharded checkpoint's
-    index, its file names relative to ``folder``), a tensor that the index places in another
-    shard is skipped, as HF does."""
+def _tensor_files(paths, weight_map: Optional[dict] = None, folder: Optional[Path] = None) -> dict:
+    """``{path: [tensor names to read from it]}`` from the files' headers alone (no tensor
+    data is read): every file readable, every tensor in one file only, every dtype a float
+    one. With ``weight_map`` (a sharded checkpoint's index, its file names relative to
+    ``folder``), a tensor that the index places in another shard is skipped, as HF does."""
     from safetensors import safe_open
 
-    out, where = {}, {}
+    plan, where = {}, {}
     for p in paths:
         try:
-            with safe_open(str(p), framework="flax") as f:  # flax/jax arrays handle bfloat16
+            with safe_open(str(p), framework="flax") as f:
                 keys = [k for k in f.keys()
                         if weight_map is None or k not in weight_map or Path(folder or p.parent) / weight_map[k] == p]
-                for k in keys:  # headers first: nothing read when a dtype is wrong
+                for k in keys:
                     if k in where:
                         raise HFCheckpointError(f"tensor {k!r} is in both {where[k]} and {p}")
                     where[k] = p
@@ -315,11 +316,35 @@ def _read_tensors(paths, weight_map: Optional[dict] = None, folder: Optional[Pat
                     if dt not in _FLOAT_DTYPES:
                         raise HFCheckpointError(f"{p}: tensor {k!r} has dtype {dt}; weights must be one of "
                                                 f"{', '.join(_FLOAT_DTYPES)} (quantized checkpoints are not supported)")
-                for k in keys:
-                    out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
+                plan[p] = keys
         except (HFCheckpointError, MemoryError):
             raise
         except Exception as e:  # SafetensorError (truncated / corrupt header), OSError
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HFCheckpointError(f"{p}: not a readable safetensors file ({msg})") from None
+    return plan
+
+
+def check_weight_files(folder: str | os.PathLike) -> None:
+    """A checkpoint folder's safetensors files checked from their headers (cheap: no weights
+    are read), as :func:`load_hf` would find them: HFCheckpointError naming the file."""
+    folder = Path(folder)
+    _tensor_files(_safetensor_files(folder), _weight_map(folder), folder)
+
+
+def _read_tensors(paths, weight_map: Optional[dict] = None, folder: Optional[Path] = None) -> dict:
+    """Every tensor of the files as float32, after :func:`_tensor_files`' checks."""
+    from safetensors import safe_open
+
+    out = {}
+    for p, keys in _tensor_files(paths, weight_map, folder).items():
+        try:
+            with safe_open(str(p), framework="flax") as f:  # flax/jax arrays handle bfloat16
+                for k in keys:
+                    out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
+        except MemoryError:
+            raise
+        except Exception as e:  # a file cut short after its header, OSError
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise HFCheckpointError(f"{p}: not a readable safetensors file ({msg})") from None
     return out

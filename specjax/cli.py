@@ -293,10 +293,12 @@ class ModelSource:
     def config(self):
         """The model config from metadata only (no weights)."""
         if self.kind == "hf":
-            from specjax.models.hf_checkpoint import config_from_hf
+            from specjax.models.hf_checkpoint import check_weight_files, config_from_hf
 
             with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
-                return config_from_hf(json.load(f))
+                cfg = config_from_hf(json.load(f))
+            check_weight_files(self.path)  # the weight files' headers too: before anything loads
+            return cfg
         from specjax.models.gguf_loader import read_config
 
         return read_config(self.path)

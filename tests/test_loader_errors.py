@@ -419,3 +419,20 @@ def test_cli_gguf_with_zero_heads(tmp_path, capsys, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf", meta={"attention.head_count": 0}, tokenizer=True)
     _cli_exit_2(["generate", "hi", "--model", str(path), "--draft", "lookup"], capsys, monkeypatch,
                 "head_count = 0: must be positive")
+
+
+def test_cli_hf_folder_with_bad_weight_files_fails_before_loading(tmp_path, capsys, monkeypatch):
+    """A corrupt or integer safetensors file was found only once the weights loaded (after
+    "loading the model"); the CLI now reads the files' headers with the config."""
+    d = write_hf(tmp_path / "ck")
+    _word_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:5])
+    _cli_exit_2(["generate", "hi", "--model", str(d), "--draft", "lookup"], capsys, monkeypatch,
+                "model.safetensors: not a readable safetensors file")
+    t = _hf_tensors()
+    t["model.norm.weight"] = t["model.norm.weight"].astype(np.int32)
+    write_hf(d, tensors=t)
+    _cli_exit_2(["generate", "hi", "--model", str(d), "--draft", "lookup"], capsys, monkeypatch,
+                "tensor 'model.norm.weight' has dtype I32")
