@@ -94,13 +94,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--prompts {e}")
     from specjax import build
-    from specjax.cli import ModelSource
+    from specjax.cli import default_target_metadata
 
-    try:  # the longest prompt against the target's context, from its metadata (before loading)
-        src = ModelSource("gguf", None, "the default model")
-        meta_tok, limit = src.tokenizer(), src.config().max_position
-    except (OSError, ValueError) as e:
-        ap.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    # the longest prompt against the target's context, from its metadata (before loading)
+    meta_tok, meta_cfg = default_target_metadata(ap)
+    limit = meta_cfg.max_position
     longest = max(len(meta_tok.encode_user(t)) for t in texts[:max(batches) * a.groups])
     kmax = max(ks + [build.AUTO_MAX_K])
     if limit and longest + a.max_new + kmax > limit:

@@ -18,7 +18,7 @@ DEFAULT_FILE = os.path.join(REPO, "configs", "train", "prompts_heldout.txt")
 
 
 def main(argv=None):
-    from specjax.cli import ModelSource, OneLineParser
+    from specjax.cli import OneLineParser, default_target_metadata
 
     ap = OneLineParser(prog="eval_draft.py", description=__doc__.splitlines()[0])
     ap.add_argument("draft", help="a draft spec or file, as specjax generate --draft takes (not 'none')")
@@ -48,11 +48,8 @@ def main(argv=None):
 
     if a.k is None:
         a.k = build.DEFAULT_K
-    try:  # the target's tokenizer and config from its metadata, the draft's: before any weights load
-        src = ModelSource("gguf", None, "the default model")
-        tok, cfg = src.tokenizer(), src.config()
-    except (OSError, ValueError) as e:
-        ap.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    # the target's tokenizer and config from its metadata, the draft's: before any weights load
+    tok, cfg = default_target_metadata(ap)
     try:
         build.check_draft_metadata(a.draft, cfg)
         if build.draft_layers(a.draft) is not None:

@@ -77,17 +77,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CACHE = os.path.join(REPO, "data_cache", "eval_heldout")
 
 
-def _target_metadata(ap):
-    """(tokenizer, config) of the default target from its metadata alone (no weights)."""
-    from specjax.cli import ModelSource
-
-    try:
-        src = ModelSource("gguf", None, "the default model")
-        return src.tokenizer(), src.config()
-    except (OSError, ValueError) as e:
-        ap.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-
-
 def _check_eagle_draft(ap, spec, cfg) -> None:
     """--draft names an EAGLE head that fits the target: checked from metadata alone."""
     from specjax import build
@@ -145,7 +134,9 @@ def main(argv=None) -> int:
             texts.append(read_prompt_file(f)[:a.max_prompts or None])
         except ValueError as e:
             ap.error(f"--prompts {e}")
-    tok, cfg = _target_metadata(ap)
+    from specjax.cli import default_target_metadata
+
+    tok, cfg = default_target_metadata(ap)
     _check_eagle_draft(ap, a.draft, cfg)
     limit = cfg.max_position or 1 << 30
     for f, lines in zip(names, texts):

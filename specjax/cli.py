@@ -324,6 +324,16 @@ class ModelSource:
         return out
 
 
+def default_target_metadata(parser: argparse.ArgumentParser):
+    """For the scripts: ``(tokenizer, config)`` of the default target from its metadata alone
+    (no weights), else the parser's one-line error (exit 2)."""
+    try:
+        src = ModelSource("gguf", None, "the default model")
+        return src.tokenizer(), src.config()
+    except (OSError, ValueError) as e:
+        parser.error(f"the target model: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
 def _model_source(spec) -> ModelSource:
     """``--model`` -> a :class:`ModelSource`, checked without reading any weights."""
     from specjax.build import DEFAULT_MODEL_NAMES
