@@ -274,9 +274,10 @@ def _weight_map(folder: Path) -> Optional[dict]:
     return wm
 
 
-def _safetensor_files(folder: Path) -> list[Path]:
+def _safetensor_files(folder: Path, wm: Optional[dict]) -> list[Path]:
+    """The folder's weight files: the shards ``wm`` (its index's weight_map) names, or
+    every ``*.safetensors`` file when there is no index."""
     index = folder / "model.safetensors.index.json"
-    wm = _weight_map(folder)
     if wm is not None:
         files = sorted(set(wm.values()))
         paths = [folder / f for f in files]
@@ -295,19 +296,20 @@ def _safetensor_files(folder: Path) -> list[Path]:
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def _tensor_files(paths, weight_map: Optional[dict] = None, folder: Optional[Path] = None) -> dict:
-    """``{path: [tensor names to read from it]}`` from the files' headers alone (no tensor
-    data is read): every file readable, every tensor in one file only, every dtype a float
-    one. With ``weight_map`` (a sharded checkpoint's index, its file names relative to
-    ``folder``), a tensor that the index places in another shard is skipped, as HF does."""
+def _tensor_files(folder: Path) -> dict:
+    """``{path: [tensor names to read from it]}`` for a checkpoint folder, from its index and
+    its files' headers alone (no tensor data is read): every file readable, every tensor in
+    one file only, every dtype a float one. With an index (a sharded checkpoint), a tensor
+    that the index places in another shard is skipped, as HF does."""
     from safetensors import safe_open
 
+    weight_map = _weight_map(folder)
     plan, where = {}, {}
-    for p in paths:
+    for p in _safetensor_files(folder, weight_map):
         try:
             with safe_open(str(p), framework="flax") as f:
                 keys = [k for k in f.keys()
-                        if weight_map is None or k not in weight_map or Path(folder or p.parent) / weight_map[k] == p]
+                        if weight_map is None or k not in weight_map or folder / weight_map[k] == p]
                 for k in keys:
                     if k in where:
                         raise HFCheckpointError(f"tensor {k!r} is in both {where[k]} and {p}")
@@ -328,16 +330,16 @@ def _tensor_files(paths, weight_map: Optional[dict] = None, folder: Optional[Pat
 def check_weight_files(folder: str | os.PathLike) -> None:
     """A checkpoint folder's safetensors files checked from their headers (cheap: no weights
     are read), as :func:`load_hf` would find them: HFCheckpointError naming the file."""
-    folder = Path(folder)
-    _tensor_files(_safetensor_files(folder), _weight_map(folder), folder)
+    _tensor_files(Path(folder))
 
 
-def _read_tensors(paths, weight_map: Optional[dict] = None, folder: Optional[Path] = None) -> dict:
-    """Every tensor of the files as float32, after :func:`_tensor_files`' checks."""
+def _read_tensors(folder: Path) -> dict:
+    """Every tensor of the folder's weight files as float32, after :func:`_tensor_files`'
+    checks."""
     from safetensors import safe_open
 
     out = {}
-    for p, keys in _tensor_files(paths, weight_map, folder).items():
+    for p, keys in _tensor_files(folder).items():
         try:
             with safe_open(str(p), framework="flax") as f:  # flax/jax arrays handle bfloat16
                 for k in keys:
@@ -413,7 +415,7 @@ def load_hf(folder: str | os.PathLike, **config_overrides: Any) -> LlamaLM:
         raise HFCheckpointError(f"{folder}: {e}") from None
     arch = (hf.get("architectures") or ["?"])[0]
     with staging():
-        weights = hf_to_canonical(cfg, _read_tensors(_safetensor_files(folder), _weight_map(folder), folder),
+        weights = hf_to_canonical(cfg, _read_tensors(folder),
                                   source=str(folder), architecture=arch)
         return LlamaLM.from_weights(cfg, weights)
 
