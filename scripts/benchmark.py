@@ -53,7 +53,7 @@ from scripts.bench.peer import run_peer  # noqa: E402
 from scripts.bench.plots import make_plots  # noqa: E402
 from scripts.bench.report import (  # noqa: E402
     block_vs_token, loadavg, log, machine_info, render_markdown, replace_marked_section)
-from scripts.bench.timing import Runner, StepTimer, exactness, run_specjax  # noqa: E402
+from scripts.bench.timing import Runner, StepTimer, drafted_ks, exactness, run_specjax  # noqa: E402
 from specjax.build import check_draft_spec, check_layer_settings, load_target, resolve_draft  # noqa: E402
 from specjax.cli import OneLineParser  # noqa: E402
 from specjax.configs import check_writable  # noqa: E402
@@ -129,11 +129,8 @@ def check_lengths(cfg, target, ids, ds_prompts) -> None:
     from specjax.build import AUTO_MAX_K
     from specjax.engine import cache_len_for, check_cache_memory, context_limit
 
-    def widest(ks):
-        return max([k for k in ks if k != "auto"] + [AUTO_MAX_K] * ("auto" in ks))
-
     limit = context_limit(target)
-    runs = [("the grid", ids, cfg.max_new_tokens, max(widest(cfg.ks_for(b)) for b in cfg.batch_sizes),
+    runs = [("the grid", ids, cfg.max_new_tokens, max(max(drafted_ks(cfg.ks_for(b))) for b in cfg.batch_sizes),
              max(cfg.batch_sizes))]
     if ds_prompts is not None:
         spec, _, ds_ids, _ = ds_prompts

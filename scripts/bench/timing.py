@@ -39,6 +39,12 @@ def _time_call(run, init) -> float:
     return time.perf_counter() - t0
 
 
+def drafted_ks(ks) -> list:
+    """A grid's Ks as draft lengths, sorted: the fixed ones, and k=auto's widest round
+    (:data:`AUTO_MAX_K`) for "auto"."""
+    return sorted({k for k in ks if k != "auto"} | ({AUTO_MAX_K} if "auto" in ks else set()))
+
+
 class StepTimer:
     """Per-step model costs at one batch size, in jitted loops like the engine's.
 
@@ -60,7 +66,7 @@ class StepTimer:
 
     def __init__(self, target, draft, draft_desc, batch: int, ks, prompt_ids, cfg):
         # the grid's fixed Ks, and k=auto's widest round (its draft and verify costs)
-        ks = sorted({k for k in ks if k != "auto"} | ({AUTO_MAX_K} if "auto" in ks else set()))
+        ks = drafted_ks(ks)
         self.batch, self.ks, self.cfg = batch, tuple(ks), cfg
         n = self.n = cfg.step_repeats
         v = target.vocab_size
