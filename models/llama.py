@@ -1434,10 +1434,10 @@ def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
     return out
 
 
-def check_size(name: str, value) -> int:
-    """``value`` as a Python int >= 1 (numpy's integers accepted), else ValueError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def check_size(name: str, value, low: int = 1) -> int:
+    """``value`` as a Python int >= ``low`` (numpy's integers accepted), else ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
 
 

@@ -51,7 +51,6 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, runtime_checka
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 # How a draft's top-k / top-p cut is made (specjax.sampling.process_rows' ``cut``), for
@@ -191,10 +190,10 @@ def draft_chain(k: int, step, final_draw, carry):
 
 def check_int(owner: str, name: str, value, low: int = 1) -> int:
     """``value`` as a Python int >= ``low`` (numpy's integers accepted: the engine's K is a
-    static Python int), else ValueError naming ``owner.name``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value!r}")
-    return int(value)
+    static Python int), else ValueError naming ``owner: name`` (the models' own check)."""
+    from specjax.models.llama import check_size
+
+    return check_size(f"{owner}: {name}", value, low)
 
 
 def check_fields(proposer, **lows) -> None:
