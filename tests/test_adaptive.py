@@ -89,32 +89,54 @@ def test_adaptive_k_law(target, draft, law, variant):
     assert chi.p_value > ALPHA_SIG, f"{variant}: chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}, j used {used}"
 
 
+# the 3-row batch the engine tests below share (with the same shapes: batch 3, the prompt
+# bucket of 16, the output bucket of 32 for max_new_tokens 12, 16 or 20), so that each
+# engine compiles its program once for the whole module
+PROMPTS3 = [[1, 5, 2], [3, 3, 1, 4], [2, 6, 7, 1, 1]]
+
+
+@pytest.fixture(scope="module")
+def auto_token(target, draft):
+    """k="auto" with the engine's own rule (token method): one program for every cost
+    table (the costs are its argument); each test sets the table it uses."""
+    return engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+
+
+@pytest.fixture(scope="module")
+def fixed_token(target, draft):
+    """The fixed-K engines (token method), K = 1 and K = 2."""
+    return {j: engine.SpeculativeEngine(target, DraftModelProposer(draft, j), "token") for j in (1, 2)}
+
+
 def test_a_rows_tokens_do_not_depend_on_the_other_rows_k(target, draft):
     """Rows with different j in one round: each row's tokens are those it gets alone
-    (capped num_draft, keys by position), at T=1, with plain rounds in between."""
-    eng = _Cycle(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={1: [1, 1, 1], 3: [1, 1, 1]})
-    prompts = [[1, 5, 2], [3, 3, 1, 4], [2, 6, 7, 1, 1]]
+    (capped num_draft, keys by position), at T=1, with plain rounds in between. "Alone": in
+    a batch of copies of the row (same key by row index), so that every row of the round
+    has the row's own j, as in a batch of one (and the batch's program is reused)."""
+    eng = _Cycle(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={3: [1, 1, 1]})
+    prompts = PROMPTS3
     cfg = dict(sampling_params=sampling.SamplingConfig(temperature=1.0), max_new_tokens=12)
     together = eng.generate(prompts, seed=3, **cfg)
     plain = 0
     for i, p in enumerate(prompts):
-        alone = eng.generate([p], seed=3, row_indices=[i], **cfg)
-        assert alone.tokens[0] == together.tokens[i]
-        assert alone.stats[0].rounds == together.stats[i].rounds
+        alone = eng.generate([p] * 3, seed=3, row_indices=[i] * 3, **cfg)
+        for r in range(3):
+            assert alone.tokens[r] == together.tokens[i]
+            assert alone.stats[r].rounds == together.stats[i].rounds
         plain += int(alone.raw["k_rounds"][0])
     assert plain > 0 and np.count_nonzero(together.raw["k_rounds"]) >= 2
 
 
 @pytest.mark.parametrize("j", [1, 2])
-def test_a_rule_that_always_drafts_j_gives_the_fixed_k_engines_tokens(target, draft, j):
+def test_a_rule_that_always_drafts_j_gives_the_fixed_k_engines_tokens(auto_token, fixed_token, j):
     """k=auto whose costs make j the best choice every round draws what the fixed K=j
     engine draws (same keys, same rounds), at T=1 over a batch: its branches add no draw
     and skip none. (Measured on SmolLM2 at batch 1: the same tokens for all 16 benchmark
     prompts, and 1.0-1.4% more time than fixed K=1.)"""
     costs = [10.0, 1.0, 100.0] if j == 1 else [10.0, 5.0, 1.0]
-    auto = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={3: costs})
-    fixed = engine.SpeculativeEngine(target, DraftModelProposer(draft, j), "token")
-    prompts = [[1, 5, 2], [3, 3, 1, 4], [2, 6, 7, 1, 1]]
+    auto, fixed = auto_token, fixed_token[j]
+    auto.set_costs(3, costs)
+    prompts = PROMPTS3
     cfg = dict(seed=5, sampling_params=sampling.SamplingConfig(temperature=1.0), max_new_tokens=16)
     a, f = auto.generate(prompts, **cfg), fixed.generate(prompts, **cfg)
     assert a.tokens == f.tokens
@@ -249,11 +271,17 @@ def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch)
     other = engine.SpeculativeEngine(target, DraftModelProposer(draft, 1), "token", adaptive=True)
     assert other.cost_key(2) != eng.cost_key(2)
     # a streamed run (the CLI's default) or a dataset run measures with the programs it
-    # compiles anyway: no whole-generation program compiled just to time rounds
+    # compiles anyway: no whole-generation program compiled just to time rounds. (A cost
+    # file of its own, so that it has no table to read and must measure; a batch of 2 rows
+    # in the prompt bucket of 32 and the output bucket of 32: the shapes of the measure
+    # above, whose compiled programs it reuses.)
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "streamed"))
     streamed = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
-    streamed.compile([[1, 2, 3]], stream=True, seed=0, max_new_tokens=8)
-    assert streamed.has_costs(1) and engine._load_costs().get(streamed.cost_key(1)) is not None
+    assert not streamed.has_costs(2)
+    streamed.compile([[1, 2, 3] * 7, [4, 5, 6] * 6], stream=True, seed=0, max_new_tokens=8)
+    assert streamed.has_costs(2) and engine._load_costs().get(streamed.cost_key(2)) is not None
     assert {sig[0] for sig in streamed._compiled} == {"_start", "_advance", "_finish"}
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     # other CPU kernels (a new build of models/kernels): the table is measured again
     key = eng.cost_key(2)
     monkeypatch.setattr(cpu_kernels, "kernels_id", lambda: "another-build")
@@ -466,19 +494,19 @@ class _Runs(engine.SpeculativeEngine):
         return jnp.broadcast_to((c.round // 3) % 2, c.state.seq_len.shape).astype(jnp.int32)
 
 
-def test_branches_entered_are_counted(target, draft):
+def test_branches_entered_are_counted(target, draft, auto_token, fixed_token):
     """``raw["switches"]``: the loop's branches entered, one per call and one per change of
     j (each costs a GPU a few host syncs: the branch chain's conditionals); a fixed j enters
-    one branch, a fixed-K engine none."""
+    one branch, a fixed-K engine none. (Over the module's 3-row batch: every row has the
+    round's j, so rows that finish early change nothing.)"""
     cfg = dict(sampling_params=sampling.SamplingConfig(temperature=1.0), max_new_tokens=20, seed=1)
-    runs = _Runs(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={1: [1, 1, 1]})
-    out = runs.generate([PROMPT], **cfg)
+    runs = _Runs(target, DraftModelProposer(draft, K), "token", adaptive=True, costs={3: [1, 1, 1]})
+    out = runs.generate(PROMPTS3, **cfg)
     rounds = int(out.raw["iterations"])
     assert rounds > 6 and int(out.raw["switches"]) == -(-rounds // 3), (rounds, out.raw["switches"])
-    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+    eng = auto_token
     for j in range(K + 1):  # one engine, one program: the costs are its argument
-        eng.set_costs(1, [1.0 if i == j else np.inf for i in range(K + 1)])
-        out = eng.generate([PROMPT], **cfg)
+        eng.set_costs(3, [1.0 if i == j else np.inf for i in range(K + 1)])
+        out = eng.generate(PROMPTS3, **cfg)
         assert int(out.raw["switches"]) == 1 and out.raw["k_rounds"][j] == out.raw["iterations"], j
-    fixed = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token")
-    assert int(fixed.generate([PROMPT], **cfg).raw["switches"]) == 0
+    assert int(fixed_token[K].generate(PROMPTS3, **cfg).raw["switches"]) == 0
