@@ -73,21 +73,39 @@ def _engines(kind, target, draft, hints):
     return engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), kind, batch_hints=hints)
 
 
+@pytest.fixture(scope="module")
+def engines(target, draft):
+    """``engines(kind, hints)``: one engine per kind and hints for the module's tests, so that
+    a program one test compiled (kept by the engine and by its jitted function) is the one
+    another test runs, or lowers to count its conditionals, with nothing traced again. Only
+    ever used with the default (conditional) form, never under ``SPECJAX_SYNC_FREE=1``."""
+    made = {}
+
+    def get(kind, hints):
+        if (kind, hints) not in made:
+            made[kind, hints] = _engines(kind, target, draft, hints)
+        return made[kind, hints]
+
+    return get
+
+
 # every config for the chain and the autoregressive engine (block verification shares the
 # chain's branches); the tree the two the hints decide for its own (the greedy top-k tree,
-# the point-mass verifier): every row greedy, and none greedy yet every row a point mass;
-# adaptive K's programs (plain and drafting rounds) the second
-SUBSETS = {"token": CONFIGS, "autoregressive": CONFIGS, "tree": ("greedy", "topk1"), "auto": ("topk1",)}
+# the point-mass verifier): every row greedy, and none greedy yet every row a point mass,
+# and the mixed rows, whose program test_sync_free_settles_mixed_rows_without_conditionals
+# runs again (so it compiles nothing new); adaptive K's programs (plain and drafting
+# rounds) the second
+SUBSETS = {"token": CONFIGS, "autoregressive": CONFIGS, "tree": ("greedy", "topk1", "mixed"), "auto": ("topk1",)}
 
 
 # the calls of these tests, and the programs whose conditionals are counted: the same
-# arguments, so that counting compiles nothing new (the suite's compilation cache)
+# arguments and the same engines (the fixture), so that counting compiles nothing new
 RUN = dict(seed=3, max_new_tokens=12, stop_tokens=[0])
 
 
 @pytest.mark.parametrize("kind", list(SUBSETS))
-def test_same_outputs_with_and_without_hints(target, draft, kind):
-    off, on = (_engines(kind, target, draft, h) for h in (False, True))
+def test_same_outputs_with_and_without_hints(engines, kind):
+    off, on = engines(kind, False), engines(kind, True)
     for name in SUBSETS[kind]:
         cfg = CONFIGS[name]
         kw = dict(RUN, sampling_params=cfg)
@@ -104,13 +122,13 @@ def _conditionals(eng, cfg, run=RUN):
     return len(re.findall(r"\bconditional\(", txt))
 
 
-def test_hints_take_the_decided_conds_out_of_the_programs(target, draft):
+def test_hints_take_the_decided_conds_out_of_the_programs(engines):
     # uniform settings (V = 8: the top-k / top-p slow path, data-dependent, is not compiled):
     # no conditional left in a chain or autoregressive program; mixed rows keep those that
     # depend on which rows are greedy; adaptive K keeps its branch chain (counted with
     # "topk1", no row greedy, every row a point mass: the program the test above ran)
     for kind in ("autoregressive", "token", "auto"):
-        off, on = (_engines(kind, target, draft, h) for h in (False, True))
+        off, on = engines(kind, False), engines(kind, True)
         names = ("topk1", "mixed") if kind == "auto" else ("greedy", "t1", "filters", "mixed")
         n_off = _conditionals(off, CONFIGS["mixed"])  # without hints one program serves every setting
         n_on = {c: _conditionals(on, CONFIGS[c]) for c in names}
@@ -122,17 +140,56 @@ def test_hints_take_the_decided_conds_out_of_the_programs(target, draft):
         assert 0 < n_on["mixed"] - n_on[names[0]] < n_off, (kind, n_on, n_off)
 
 
-def test_dataset_hints_come_from_the_whole_dataset(target, draft):
+def test_dataset_hints_come_from_the_whole_dataset(engines):
     # the first slots' rows are greedy, later ones sampled: hints taken from the first batch
-    # alone would draw the later rows as point masses
-    prompts = [p for p in PROMPTS for _ in range(2)]
+    # alone would draw the later rows as point masses. The dataset (prompt and output
+    # buckets, ragged max_new_tokens, the stop token, 4 slots) is test_dataset.py's
+    # (_dataset(), test_rows_equal_one_row_runs), so that the run without hints is the
+    # programs that test compiles for the same engine (the suite's compilation cache)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, V, rng.integers(2, 20)).tolist() for _ in range(11)]
+    max_new = rng.integers(1, 30, len(prompts))
     n = len(prompts)
     params = sampling.SamplingParams.create(n, temperature=[0.0] * 4 + [1.0] * (n - 4))
-    off, on = (_engines("token", target, draft, h) for h in (False, True))
-    kw = dict(seed=9, sampling_params=params, max_new_tokens=10)
+    off, on = engines("token", False), engines("token", True)
+    kw = dict(seed=9, sampling_params=params, max_new_tokens=max_new, stop_tokens=[0])
     a = off.generate_dataset(prompts, batch_size=4, **kw)
     b = on.generate_dataset(prompts, batch_size=4, **kw)
     assert a.tokens == b.tokens
+
+
+def test_sync_free_settles_mixed_rows_without_conditionals(engines, target, draft, monkeypatch):
+    """Mixed greedy and sampled rows leave the greedy-dependent conds undecided by the hints;
+    sync-free (``SPECJAX_SYNC_FREE=1``, the GPU form) takes the branch that is exact for every
+    row instead (``sampling.settled``): the same tokens and statistics as the conds give,
+    and no conditional left in the autoregressive, the chain's or the sampled tree's program.
+    The conditional form's runs are those of the module's engines (the CPU's default form,
+    which they were traced with: test_same_outputs_with_and_without_hints compiled them)."""
+    import jax
+
+    cfg = CONFIGS["mixed"]
+    run = dict(RUN, seed=5)
+    kinds = ("autoregressive", "token", "tree")
+    outs, conds = {}, {}
+    monkeypatch.delenv("SPECJAX_SYNC_FREE", raising=False)
+    assert not sampling.sync_free()  # the form the module's engines were traced with
+    for kind in kinds:
+        eng = engines(kind, True)
+        outs[kind, "0"] = eng.generate(PROMPTS, sampling_params=cfg, **run)
+        conds[kind, "0"] = _conditionals(eng, cfg, run)
+    monkeypatch.setenv("SPECJAX_SYNC_FREE", "1")
+    jax.clear_caches()  # the form is read when a program is traced
+    for kind in kinds:
+        eng = _engines(kind, target, draft, True)  # new engines: their programs traced sync-free
+        outs[kind, "1"] = eng.generate(PROMPTS, sampling_params=cfg, **run)
+        conds[kind, "1"] = _conditionals(eng, cfg, run)
+    jax.clear_caches()
+    for kind in kinds:
+        a, b = outs[kind, "0"], outs[kind, "1"]
+        assert a.tokens == b.tokens, kind
+        for key in a.raw.keys() - {"proposer_state"}:
+            np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
+        assert conds[kind, "1"] == 0 < conds[kind, "0"], (kind, conds)
 
 
 def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch):
@@ -166,28 +223,3 @@ def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch)
         for key in a.raw.keys() - {"proposer_state"}:
             np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
         assert conds["1", kind] == 0 < conds["0", kind], (kind, conds)
-
-
-def test_sync_free_settles_mixed_rows_without_conditionals(target, draft, monkeypatch):
-    """Mixed greedy and sampled rows leave the greedy-dependent conds undecided by the hints;
-    sync-free (``SPECJAX_SYNC_FREE=1``, the GPU form) takes the branch that is exact for every
-    row instead (``sampling.settled``): the same tokens and statistics as the conds give,
-    and no conditional left in the autoregressive, the chain's or the sampled tree's program."""
-    import jax
-
-    cfg = CONFIGS["mixed"]
-    run = dict(RUN, seed=5)
-    for kind in ("autoregressive", "token", "tree"):
-        outs, conds = {}, {}
-        for free in ("0", "1"):
-            monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
-            jax.clear_caches()  # the form is read when a program is traced
-            eng = _engines(kind, target, draft, True)
-            outs[free] = eng.generate(PROMPTS, sampling_params=cfg, **run)
-            conds[free] = _conditionals(eng, cfg, run)
-        a, b = outs["0"], outs["1"]
-        assert a.tokens == b.tokens, kind
-        for key in a.raw.keys() - {"proposer_state"}:
-            np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
-        assert conds["1"] == 0 < conds["0"], (kind, conds)
-    jax.clear_caches()

@@ -17,6 +17,17 @@ def models(target, draft):  # the law-test models (tests/conftest.py)
     return target, draft
 
 
+# One engine of each kind for the tests that run the same shapes (a program one compiled,
+# kept by the engine, is the one another runs: test_a_second_run_with_other_stop_tokens_and_controls'
+# first run is test_rows_equal_one_row_runs[autoregressive]'s). The insert tests make their own: they
+# record what their engine traces.
+@pytest.fixture(scope="module")
+def engines(models):
+    target, draft = models
+    return {"speculative": engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token"),
+            "autoregressive": engine.AutoregressiveEngine(target)}
+
+
 def _dataset(n=11, seed=0):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, V, rng.integers(2, 20)).tolist() for _ in range(n)]
@@ -24,12 +35,8 @@ def _dataset(n=11, seed=0):
 
 
 @pytest.mark.parametrize("which", ["speculative", "autoregressive"])
-def test_rows_equal_one_row_runs(models, which):
-    target, draft = models
-    if which == "speculative":
-        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
-    else:
-        eng = engine.AutoregressiveEngine(target)
+def test_rows_equal_one_row_runs(engines, which):
+    eng = engines[which]
     prompts, max_new = _dataset()
     cfg = sampling.SamplingConfig(temperature=1.0)
     kw = dict(seed=5, sampling_params=cfg, stop_tokens=[0])
@@ -78,10 +85,11 @@ def test_inserts_prefill_at_their_own_width(models, which):
     """A dataset whose prompt bucket is 64 (one prompt of 60 tokens) and whose inserted
     prompts have 20-47 tokens: they are prefilled in buffers of 32 and 48 tokens (two
     programs, none of 64), and every row is still what it gets alone (a buffer of 64 for
-    those of 33-47 tokens)."""
+    those of 33-47 tokens; of 32 for that of 20, the program test_rows_equal_one_row_runs
+    runs for its 17-token prompt: the same K, stop token and output bucket)."""
     target, draft = models
     if which == "speculative":
-        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 2), "token")
+        eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, 3), "token")
     else:
         eng = engine.AutoregressiveEngine(target)
     rng = np.random.default_rng(3)
@@ -124,9 +132,8 @@ def test_inserts_with_a_chunked_prefill(models):
         assert eng.generate([p], row_indices=[i], **kw).tokens[0] == out.tokens[i], i
 
 
-def test_batch_of_one_and_larger_than_the_dataset(models):
-    target, _ = models
-    eng = engine.AutoregressiveEngine(target)
+def test_batch_of_one_and_larger_than_the_dataset(engines):
+    eng = engines["autoregressive"]
     prompts, max_new = _dataset(5, seed=1)
     kw = dict(seed=2, max_new_tokens=max_new, sampling_params=dict(temperature=1.0))
     ref = eng.generate(prompts, **kw).tokens  # one batch: rows keep their dataset index
@@ -140,12 +147,11 @@ def test_batch_of_one_and_larger_than_the_dataset(models):
         eng.generate_dataset(prompts, batch_size=2, greedy="x", **kw)
 
 
-def test_a_row_with_nothing_to_generate_frees_its_slot_at_once(models):
+def test_a_row_with_nothing_to_generate_frees_its_slot_at_once(engines):
     """A row with max_new_tokens 0 is done when it enters a slot: the slot is refilled
     before the loop runs on (it idled until another row finished: 40 loop iterations for
     20 + 0 + 20 tokens at batch 2; a bug hunt), also when every row is such a row."""
-    target, _ = models
-    eng = engine.AutoregressiveEngine(target)
+    eng = engines["autoregressive"]
     prompts = [[1, 2, 3], [4, 5], [6, 7, 1], [2, 2]]
     kw = dict(seed=1, sampling_params=dict(temperature=1.0))
     for budget, iterations in (([20, 0, 20, 0], 20), ([0, 20, 0, 20], 20), ([0, 0, 0, 0], 0)):
@@ -172,13 +178,12 @@ def test_adaptive_tail_borrows_the_next_larger_cost_table(models):
     assert ar._tail_sizes(16, [1, 12, 6, 16, 20, 6]) == [12, 6, 1]
 
 
-def test_a_second_run_with_other_stop_tokens_and_controls(models):
+def test_a_second_run_with_other_stop_tokens_and_controls(engines):
     """An engine is reused (``build.make_engine`` keeps them): a dataset run whose stop
     tokens take a wider buffer, or that bans tokens, after one that did not, compiles its
     own tail programs (they were once looked up by the loop state's shapes alone, and the
     run failed when its tail moved to fewer slots); the rows are the one-batch run's."""
-    target, _ = models
-    eng = engine.AutoregressiveEngine(target)
+    eng = engines["autoregressive"]
     prompts, max_new = _dataset(7, seed=3)
     kw = dict(seed=1, max_new_tokens=max_new, sampling_params=dict(temperature=1.0))
     eng.generate_dataset(prompts, batch_size=4, stop_tokens=[0], **kw)
