@@ -56,6 +56,8 @@ def test_unrolled_matches_the_cached_chain(feature_layers):
             np.testing.assert_allclose(u[j - 1][:, p], f[:, 0], atol=1e-5)
 
 
+# (4, "greedy", 0), 3 prompts of 40 tokens: the program of tests/test_tree_engine.py's EAGLE-1
+# chain (its greedy top-1 tree test), compiled once for the suite; keep the two in step
 @pytest.mark.parametrize("k, method, subset", [(1, "greedy", 0), (4, "greedy", 0), (3, "token", 48),
                                                (5, "block", 0)])
 def test_eagle_greedy_equals_autoregressive(k, method, subset):
@@ -209,7 +211,10 @@ def test_tree_call_node_equals_its_path_alone(kernels, layers, monkeypatch):
     depth = np.array([1, 1, 2, 2, 2, 3])
     nf = jax.random.normal(jax.random.key(2), (b, 6, d))
     nt = jax.random.randint(jax.random.key(3), (b, 6), 0, 64)
-    _, prefix = em.apply(em.params, h, toks, em.init_cache(b, 32))
+    # the head's own cached steps, compiled (2 programs: the 6-pair prefix, a 1-pair step)
+    # rather than op by op (~130 small compiles a case)
+    step = jax.jit(em.apply)
+    _, prefix = step(em.params, h, toks, em.init_cache(b, 32))
     mask = np.asarray(ancestor_mask(parent))
     attn = TreeAttention.dense(np.broadcast_to(depth - 1, (b, 6)), mask)
     out, _ = jax.jit(lambda p, f, t, c: em.module(p).tree_call(f, t, c, attn))(em.params, nf, nt, prefix)
@@ -217,5 +222,5 @@ def test_tree_call_node_equals_its_path_alone(kernels, layers, monkeypatch):
         path = [j for j in range(6) if mask[i, j]]
         f, c = None, prefix
         for j in path:
-            f, c = em.apply(em.params, nf[:, j:j + 1], nt[:, j:j + 1], c)
+            f, c = step(em.params, nf[:, j:j + 1], nt[:, j:j + 1], c)
         np.testing.assert_allclose(np.asarray(out[:, i]), np.asarray(f[:, 0]), atol=2e-5)

@@ -161,39 +161,58 @@ def test_tree_rows_independent_of_batch(big):
         assert alone.tokens[0] == batch.tokens[i], f"row {i} changed with its batch"
 
 
+# The 64-token target and its EAGLE-1 head of the tests below (and of tests/test_eagle.py's
+# greedy test: the same models, so the same programs): one pair for the module, so that
+# build.make_engine's memo hands the tests one engine for the default tree.
+@pytest.fixture(scope="module")
+def eagle_pair():
+    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
+                                                           head_dim=8, ffn_dim=32), seed=1)
+    return tgt, em
+
+
+# greedy runs of 40 tokens, and K = 4, as tests/test_eagle.py's greedy test (k=4, method
+# "greedy", 3 prompts of at most 10 tokens): the EAGLE-1 chain below is that test's program,
+# compiled once for the suite (the persistent compilation cache)
+EAGLE_K, EAGLE_NEW = 4, 40
+
+
 @pytest.mark.parametrize("layers", [(), (1, 2, 0)], ids=["eagle", "eagle3"])
-def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain(layers):
+def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain(eagle_pair, layers):
     """A top-1 EAGLE tree is the head's greedy chain: the same rounds as the chain proposer
     (the head continues from the target's features along the accepted path; ``eagle3``: the
     hidden states of several layers, gathered along the path)."""
-    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
-    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
-                                                           head_dim=8, ffn_dim=32, feature_layers=layers), seed=1)
+    from specjax import build
+
+    tgt, em = eagle_pair
+    if layers:
+        em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8,
+                                                               ffn_dim=32, feature_layers=layers), seed=1)
     cfg = sampling.SamplingConfig(temperature=0.0)
-    kw = dict(seed=0, sampling_params=cfg, max_new_tokens=30)
-    chain = engine.SpeculativeEngine(tgt, EagleProposer(em, 3), "greedy").generate(PROMPTS, **kw)
-    top1 = engine.SpeculativeEngine(tgt, EagleTreeProposer(model=em, topk=1, depth=3, nodes=3),
+    kw = dict(seed=0, sampling_params=cfg, max_new_tokens=EAGLE_NEW)
+    chain = engine.SpeculativeEngine(tgt, EagleProposer(em, EAGLE_K), "greedy").generate(PROMPTS, **kw)
+    top1 = engine.SpeculativeEngine(tgt, EagleTreeProposer(model=em, topk=1, depth=EAGLE_K, nodes=EAGLE_K),
                                     "greedy").generate(PROMPTS, **kw)
     assert chain.tokens == top1.tokens  # the chain's are the autoregressive ones
     assert [s.rounds for s in top1.stats] == [s.rounds for s in chain.stats]
     if layers:
         return  # the rest is about the tree proposer, not the head
     # a sampled-tree proposer in a greedy call grows the top-k tree, verified by the
-    # argmax (the engine's point-mass fast path) under method "tree"
-    hybrid = EagleTreeProposer(model=em, topk=3, depth=3, nodes=8, candidates="without_replacement")
-    out = engine.SpeculativeEngine(tgt, hybrid, "tree").generate(PROMPTS, **kw)
+    # argmax (the engine's point-mass fast path) under method "tree": the default tree
+    # (build.TreeSpec(): top-3, depth 3, 6 nodes; 2x1x1 drawn without replacement), whose
+    # engine and program test_sync_free_descent_gives_the_same_generations runs again
+    out = build.make_engine(tgt, em, method="tree").generate(PROMPTS, **kw)
     assert out.tokens == chain.tokens
     assert sum(s.accepted for s in out.stats) > 0
 
 
-def test_sampled_tree_dataset_rows_equal_one_row_runs():
+def test_sampled_tree_dataset_rows_equal_one_row_runs(eagle_pair):
     """Continuous batching with a sampled EAGLE tree (T=1, ragged lengths, a stop token):
     every prompt's tokens are those of its one-row run with the same dataset index."""
     from specjax import build
 
-    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
-    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
-                                                           head_dim=8, ffn_dim=32), seed=1)
+    tgt, em = eagle_pair
     eng = build.make_engine(tgt, em, method="tree")
     prompts = PROMPTS + [[9, 8], [4, 4, 4, 4]]
     kw = dict(seed=0, stop_tokens=[63], sampling_params=sampling.SamplingConfig(temperature=1.0))
@@ -205,19 +224,19 @@ def test_sampled_tree_dataset_rows_equal_one_row_runs():
         assert one.tokens[0] == out.tokens[i], f"prompt {i}"
 
 
-def test_sync_free_descent_gives_the_same_generations(monkeypatch):
+def test_sync_free_descent_gives_the_same_generations(eagle_pair, monkeypatch):
     """The default sampled EAGLE tree (2x1x1) at T=1: the descent as a loop of the
     proposer's ``max_tries`` steps (4 of its 6 nodes; the GPU form,
-    ``SPECJAX_SYNC_FREE=1``) gives the ``while`` form's tokens and statistics, bit for bit."""
+    ``SPECJAX_SYNC_FREE=1``) gives the ``while`` form's tokens and statistics, bit for bit.
+    (The ``while`` form's program is that of the greedy test's default tree above: the
+    same shapes, 3 rows of 40 tokens; read back from the persistent compilation cache.)"""
     import jax
 
     from specjax import build
 
-    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
-    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
-                                                           head_dim=8, ffn_dim=32), seed=1)
+    tgt, em = eagle_pair
     tree = build.TreeSpec()
-    kw = dict(seed=2, max_new_tokens=16, sampling_params=sampling.SamplingConfig(temperature=1.0))
+    kw = dict(seed=2, max_new_tokens=EAGLE_NEW, sampling_params=sampling.SamplingConfig(temperature=1.0))
     runs = {}
     for free in ("0", "1"):
         monkeypatch.setenv("SPECJAX_SYNC_FREE", free)
