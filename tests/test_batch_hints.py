@@ -12,6 +12,7 @@ from specjax import engine, sampling
 from specjax.drafts import DraftModelProposer
 from specjax.drafts.trees import make_tree_proposer
 from specjax.models.eagle import EagleConfig, EagleModel
+from tests.test_dataset import _dataset
 
 V = 8
 PROMPTS = [[1, 5, 2], [3, 3, 0, 6, 1], [7, 2], [4, 4, 4, 1, 2, 0]]
@@ -146,9 +147,7 @@ def test_dataset_hints_come_from_the_whole_dataset(engines):
     # buckets, ragged max_new_tokens, the stop token, 4 slots) is test_dataset.py's
     # (_dataset(), test_rows_equal_one_row_runs), so that the run without hints is the
     # programs that test compiles for the same engine (the suite's compilation cache)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, V, rng.integers(2, 20)).tolist() for _ in range(11)]
-    max_new = rng.integers(1, 30, len(prompts))
+    prompts, max_new = _dataset()
     n = len(prompts)
     params = sampling.SamplingParams.create(n, temperature=[0.0] * 4 + [1.0] * (n - 4))
     off, on = engines("token", False), engines("token", True)

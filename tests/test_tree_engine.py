@@ -43,11 +43,11 @@ def _tree(draft):
     return DraftModelTreeProposer(model=draft, topk=2, depth=2, nodes=4)
 
 
-def _eagle(target, subset=0, layers=()):
+def _eagle(target, subset=0, layers=(), seed=3):
     cfg = EagleConfig.for_target(target.config, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32,
                                  vocab_subset=subset, feature_layers=layers)
     tm = np.array([0, 2, 3, 5, 6, 7]) if subset else None
-    return EagleModel.for_target(target, cfg, token_map=tm, seed=3)
+    return EagleModel.for_target(target, cfg, token_map=tm, seed=seed)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -167,9 +167,7 @@ def test_tree_rows_independent_of_batch(big):
 @pytest.fixture(scope="module")
 def eagle_pair():
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
-    em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2,
-                                                           head_dim=8, ffn_dim=32), seed=1)
-    return tgt, em
+    return tgt, _eagle(tgt, seed=1)
 
 
 # greedy runs of 40 tokens, and K = 4, as tests/test_eagle.py's greedy test (k=4, method
@@ -187,8 +185,7 @@ def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain(eagle_pair, la
 
     tgt, em = eagle_pair
     if layers:
-        em = EagleModel.for_target(tgt, EagleConfig.for_target(tgt.config, n_heads=4, n_kv_heads=2, head_dim=8,
-                                                               ffn_dim=32, feature_layers=layers), seed=1)
+        em = _eagle(tgt, layers=layers, seed=1)
     cfg = sampling.SamplingConfig(temperature=0.0)
     kw = dict(seed=0, sampling_params=cfg, max_new_tokens=EAGLE_NEW)
     chain = engine.SpeculativeEngine(tgt, EagleProposer(em, EAGLE_K), "greedy").generate(PROMPTS, **kw)
