@@ -743,12 +743,33 @@ def skip_empty_rounds() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def resolve_compiler_options(compiler_options=None) -> dict:
+    """An engine's ``compiler_options`` (``jax.jit``'s): None or ``{}`` -> none (XLA's
+    defaults, or what ``XLA_FLAGS`` sets); else a dict of XLA option names to bool / int /
+    float / str values, part of every program the engine compiles and of its cost tables'
+    key. (``scripts/bench_compiler_options.py`` times a set against XLA's defaults: on a CPU
+    ``{"xla_cpu_use_fusion_emitters": False}`` compiles ~25% faster but samples 5-10%
+    slower at T=1, BENCHMARKS.md.)"""
+    if compiler_options is None:
+        return {}
+    if not isinstance(compiler_options, dict) or not all(
+            isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in compiler_options.items()):
+        raise ValueError(f"compiler_options must be a dict of XLA option names to bool, int, float or str "
+                         f"values, got {compiler_options!r}")
+    return dict(compiler_options)
+
+
 class _Sharded:
     """Mixin: placement of inputs and constraints inside the trace for ``self.sharding``;
     the batch hints a call's programs are traced under."""
 
     sharding = None
     batch_hints = False
+    compiler_options: Optional[dict] = None
+
+    def _jit(self, fn, **kwargs):
+        """``jax.jit(fn, **kwargs)`` with the engine's compile options."""
+        return jax.jit(fn, compiler_options=self.compiler_options or None, **kwargs)
 
     def _hints_of(self, batch: Batch, greedy: bool = False):
         """The :class:`specjax.sampling.BatchHints` of ``batch``'s settings (``greedy``: every
@@ -891,7 +912,7 @@ class _Sharded:
                                                               for a in jax.tree.leaves(one)))
             got = self._compiled.get(sig)
             if got is None:
-                got = self._compiled[sig] = jax.jit(
+                got = self._compiled[sig] = self._jit(
                     self._insert_program, donate_argnums=(0,), static_argnames=("out_cap", "cache_len", "hints")
                 ).lower(carry, one, np.int32(0), **static).compile()
             return got
@@ -969,7 +990,7 @@ class _Sharded:
             def gather(carry, idx):
                 return jax.tree.map(lambda x, sm: _take_batch_rows(x, sm.shape, idx), carry, small)
 
-            take = jax.jit(gather).lower(big, np.zeros(m, np.int32)).compile()
+            take = self._jit(gather).lower(big, np.zeros(m, np.int32)).compile()
             got = self._compiled[sig] = (advance, finish, take, small)
         return got
 
@@ -1431,11 +1452,13 @@ class SpeculativeEngine(_Sharded):
     on its mesh: batch rows and KV caches over ``data``, the target's parameters and
     logits by the plan's rules (tensor-parallel over ``model``); verification then runs
     on vocabulary-sharded log-probs. Outputs are the same as without a mesh.
+    ``compiler_options``: XLA options its programs compile with (:func:`resolve_compiler_options`;
+    default none).
     """
 
     def __init__(self, target, proposer: Proposer, method: str = "token", *, sharding=None,
                  prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = False, costs=None,
-                 batch_hints: Optional[bool] = None):
+                 batch_hints: Optional[bool] = None, compiler_options: Optional[dict] = None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if not isinstance(proposer, Proposer):
@@ -1467,6 +1490,7 @@ class SpeculativeEngine(_Sharded):
         self.prefill_chunk = _check_chunk(prefill_chunk)
         self.adaptive = bool(adaptive)
         self.batch_hints = resolve_batch_hints(batch_hints)
+        self.compiler_options = resolve_compiler_options(compiler_options)
         if self.adaptive:
             if self.tree:
                 raise ValueError("adaptive K (k='auto') takes a chain proposer, not a draft tree")
@@ -1477,10 +1501,10 @@ class SpeculativeEngine(_Sharded):
             for b, c in dict(costs).items():
                 self.set_costs(b, c)
         self.trace_count = 0
-        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._advance = jax.jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
-        self._finish = jax.jit(self._finish_program, static_argnames=("out_cap",))
+        self._run = self._jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._start = self._jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._advance = self._jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
+        self._finish = self._jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
     @property
@@ -1934,8 +1958,9 @@ class SpeculativeEngine(_Sharded):
         return self.costs[b]
 
     def cost_key(self, batch_size: int) -> str:
-        """What a cost table is measured for: device, target, proposer, K, method, batch, and
-        on CPU the build of the project's kernels (new kernels: measured again)."""
+        """What a cost table is measured for: device, target, proposer, K, method, batch, the
+        compile options, and on CPU the build of the project's kernels (new kernels: measured
+        again)."""
         dev = jax.devices()[0]
         prop = self.proposer
         draft = getattr(getattr(prop, "model", None), "config", None)
@@ -1944,7 +1969,8 @@ class SpeculativeEngine(_Sharded):
                      repr(getattr(self.target, "config", type(self.target).__name__)),
                      str(jax.tree.leaves(self.target.params)[0].dtype) if self.target.params is not None else "",
                      type(prop).__name__, repr(draft), self.k, self.method, self.sharding is not None,
-                     COST_MODEL_VERSION, kernels))
+                     COST_MODEL_VERSION, kernels)
+                    + ((sorted(self.compiler_options.items()),) if self.compiler_options else ()))
         return f"{hashlib.sha256(what.encode()).hexdigest()[:24]}/b{int(batch_size)}"
 
     def calibrate(self, batch_size: int, *, like: Optional[Batch] = None, prompt_len: int = 32,
@@ -2105,21 +2131,22 @@ class SpeculativeEngine(_Sharded):
 class AutoregressiveEngine(_Sharded):
     """Plain sampling from the target, same pipeline and API: the baseline for speed and law.
 
-    Step t of a row (its t-th generated token, from 0) draws with ``derive(row_key, t, TARGET, 0)``. ``sharding``:
-    as for :class:`SpeculativeEngine`.
+    Step t of a row (its t-th generated token, from 0) draws with ``derive(row_key, t, TARGET, 0)``. ``sharding``,
+    ``compiler_options``: as for :class:`SpeculativeEngine`.
     """
 
     def __init__(self, target, *, sharding=None, prefill_chunk: int = PREFILL_CHUNK,
-                 batch_hints: Optional[bool] = None):
+                 batch_hints: Optional[bool] = None, compiler_options: Optional[dict] = None):
         self.target = target
         self.sharding = sharding
         self.prefill_chunk = _check_chunk(prefill_chunk)
         self.batch_hints = resolve_batch_hints(batch_hints)
+        self.compiler_options = resolve_compiler_options(compiler_options)
         self.trace_count = 0
-        self._run = jax.jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._start = jax.jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._advance = jax.jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
-        self._finish = jax.jit(self._finish_program, static_argnames=("out_cap",))
+        self._run = self._jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._start = self._jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._advance = self._jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
+        self._finish = self._jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
 
     def _program(self, target_params, prompts, prompt_lens, row_keys, params, controls, max_new,
