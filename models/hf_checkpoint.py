@@ -150,10 +150,22 @@ def _rope_config(hf: dict, arch: str) -> dict:
     return dict(rope_theta=float(theta), rope_scaling=scaling)
 
 
+def _flag(hf: dict, key: str, default: bool = False) -> bool:
+    """A true/false key of config.json (absent or null: ``default``). Anything but a JSON
+    boolean is an error: the string "false" is truthy, so reading it as Python does would
+    silently turn the switch on (a tied head, a sliding window)."""
+    v = hf.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise HFCheckpointError(f"config.json has a bad value: {key}={v!r} (want true or false)")
+    return v
+
+
 def _sliding_config(hf: dict, arch: str, n_layers: int) -> dict:
     """sliding_window and layer_types as HF's modeling code for ``arch`` applies them."""
     window = hf.get("sliding_window")
-    if arch in _QWEN and not hf.get("use_sliding_window", False):
+    if arch in _QWEN and not _flag(hf, "use_sliding_window"):
         window = None  # Qwen configs carry a sliding_window that is off unless use_sliding_window
     if arch in ("LlamaForCausalLM",):
         window = None
@@ -191,12 +203,12 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise HFCheckpointError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     gemma = arch in _GEMMA
-    if hf.get("mlp_bias"):
+    if _flag(hf, "mlp_bias"):
         raise HFCheckpointError("MLP biases are not supported")
-    if hf.get("attention_bias"):  # Qwen2's q/k/v biases are implied by the architecture, not this key
+    if _flag(hf, "attention_bias"):  # Qwen2's q/k/v biases are implied by the architecture, not this key
         raise HFCheckpointError(f"{arch}: attention_bias (biases on all four projections) is not supported; "
                                 "only Qwen2's q/k/v biases are")
-    if hf.get("use_bidirectional_attention"):
+    if _flag(hf, "use_bidirectional_attention"):
         raise HFCheckpointError(f"{arch}: bidirectional attention is not supported")
     act_key = "hidden_activation" if gemma else "hidden_act"
     act = hf.get(act_key) or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -216,7 +228,7 @@ def config_from_hf(hf: dict, **overrides: Any) -> LlamaConfig:
             head_dim=head_dim,
             ffn_dim=int(hf["intermediate_size"]),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            tie_embeddings=_flag(hf, "tie_word_embeddings", gemma),
             max_position=int(hf.get("max_position_embeddings", 8192)),
             name=str(hf.get("_name_or_path") or hf.get("model_type", "llama")),
             mlp_act=_ACTIVATIONS[act],

@@ -223,6 +223,9 @@ def test_hf_config_json_that_is_not_an_object(tmp_path):
     (dict(rms_norm_eps=-1), "rms_norm_eps=-1.0"),
     (dict(num_attention_heads=3, num_key_value_heads=1, head_dim=None), "head_dim=5 must be even"),  # raw ValueError
     (dict(num_key_value_heads=3), "not a multiple of n_kv_heads=3"),
+    # was read as Python reads a string: "false" is truthy, so the head was tied
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' \\(want true or false\\)"),
+    (dict(attention_bias=0), "attention_bias=0 \\(want true or false\\)"),
 ])
 def test_hf_bad_config_values(tmp_path, changes, message):
     d = write_hf(tmp_path / "ck", config=_hf_config(**changes))
