@@ -27,6 +27,9 @@ def _toy_logits(seed: int, k: int):
     return jnp.asarray(target, jnp.float32), jnp.asarray(draft, jnp.float32)
 
 
+MAX_DEMO_K = 64  # a toy of K + 1 positions, one printed line each
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -35,8 +38,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.k < 1:
-        ap.error(f"argument --k: K must be an integer >= 1, got {args.k}")
+    if not 1 <= args.k <= MAX_DEMO_K:
+        ap.error(f"argument --k: K must be an integer from 1 to {MAX_DEMO_K} (one line per position), got {args.k}")
     try:
         keys.check_seed(args.seed)
         cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

@@ -137,7 +137,8 @@ def test_proposers_refuse_bad_k_vocab_and_ngram_sizes(lm, head):
         PromptLookupProposer(vocab_size=0, k=2)
     # n = 0 once matched everywhere (it proposed the last token again); min > max never drafted
     for bad, msg in ((dict(min_ngram=0), "min_ngram must be"), (dict(max_ngram=0), "max_ngram must be"),
-                     (dict(min_ngram=4, max_ngram=2), "max_ngram=2 is below min_ngram=4")):
+                     (dict(min_ngram=4, max_ngram=2), "max_ngram=2 is below min_ngram=4"),
+                     (dict(max_ngram=33), "max_ngram=33 is above 32")):  # was: tracing without end
         with pytest.raises(ValueError, match=msg):
             PromptLookupProposer(vocab_size=V, k=2, **bad)
     with pytest.raises(ValueError, match="plain_backlog must be an integer >= 0"):
@@ -197,7 +198,8 @@ def test_key_helpers_never_wrap_or_cut_their_inputs():
 
 # --- demo -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, msg", [(["--k", "0"], "K must be an integer >= 1"),
+@pytest.mark.parametrize("argv, msg", [(["--k", "0"], "K must be an integer from 1 to 64"),
+                                       (["--k", "65"], "K must be an integer from 1 to 64"),  # was a MemoryError at 10**9
                                        (["--seed", "-1"], "seed must be an integer"),
                                        (["--temperature", "-1"], "temperature")])
 def test_demo_refuses_bad_arguments_in_one_line(argv, msg, capsys):

@@ -10,6 +10,11 @@ import jax.numpy as jnp
 from specjax.drafts.base import CommitContext, Proposal, ProposeContext, check_fields
 
 
+# the lookup is unrolled when traced: max_ngram * (max_ngram + 1) / 2 shifted comparisons of
+# the whole sequence per row and round (a max_ngram of 10**6 never finished tracing)
+MAX_NGRAM = 32
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptLookupProposer:
     """Prompt lookup / n-gram drafting: a deterministic proposer (point mass q).
@@ -32,6 +37,9 @@ class PromptLookupProposer:
 
     def __post_init__(self):
         check_fields(self, vocab_size=1, k=1, min_ngram=1, max_ngram=1)
+        if self.max_ngram > MAX_NGRAM:
+            raise ValueError(f"PromptLookupProposer: max_ngram={self.max_ngram} is above {MAX_NGRAM} (the lookup "
+                             "is unrolled when traced: its size grows with the square of max_ngram)")
         if self.max_ngram < self.min_ngram:
             raise ValueError(f"PromptLookupProposer: max_ngram={self.max_ngram} is below "
                              f"min_ngram={self.min_ngram} (n-grams are tried from max_ngram down to min_ngram)")
