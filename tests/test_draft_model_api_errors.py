@@ -13,6 +13,7 @@ import pytest
 from specjax import demo, keys
 from specjax.drafts import (DraftModelProposer, EagleProposer, PromptLookupProposer, first_layers_draft,
                             make_proposer)
+from specjax.drafts.trees import EagleTreeProposer
 from specjax.models.eagle import EagleConfig, EagleModel, random_trainable
 from specjax.models.llama import LlamaLM, random_weights, tiny_config
 
@@ -145,6 +146,9 @@ def test_proposers_refuse_bad_k_vocab_and_ngram_sizes(lm, head):
         EagleProposer(head, 2, plain_backlog=-1)
     with pytest.raises(TypeError, match="EagleProposer: model must be"):
         EagleProposer(lm, 2)
+    with pytest.raises(TypeError, match="EagleTreeProposer: model must be"):  # was: an error while tracing
+        EagleTreeProposer(model=lm)
+    assert EagleTreeProposer(model=head).model is head and EagleTreeProposer(model=None).k >= 1  # None: a shape
     with pytest.raises(TypeError, match="use EagleProposer"):
         DraftModelProposer(head, 2)
     with pytest.raises(TypeError, match="DraftModelProposer: model must be"):

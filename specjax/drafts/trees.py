@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafts.base import (  # noqa: F401  (ChainTreeProposer, is_tree_proposer: re-exported)
-    ChainTreeProposer, CommitContext, ModelBackedProposer, Proposal, ProposeContext, is_tree_proposer)
+    ChainTreeProposer, CommitContext, ModelBackedProposer, Proposal, ProposeContext, check_draft_model,
+    is_tree_proposer)
 from specjax.models.base import TreeAttention, prefill
 from specjax.keys import DRAFT, fold_in, position_key, role_key
 from specjax import sampling
@@ -493,6 +494,8 @@ class EagleTreeProposer(_TreeConfig, ModelBackedProposer):
                             self.widths, self.sampled_nodes)
         if self.sampled_nodes:
             self.sampled_tree_shape()  # a bad acceptance model fails here, before any tracing
+        if self.model is not None:  # None: the tree's shape only (its k, for context checks)
+            check_draft_model(self, "apply", "init_cache", "vocab_size", "fuse", "hidden_layers")
 
     @property
     def sampled(self) -> bool:
