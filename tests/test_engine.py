@@ -272,8 +272,12 @@ _GREEDY_PROMPTS = [[3, 9, 27, 17], [5, 1], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6]]
 
 @pytest.fixture(scope="module")
 def greedy_case():
-    """A 64-token target and draft, and the target's greedy tokens (computed once for the
-    parametrizations below: the autoregressive run does not depend on them)."""
+    """A 64-token target and draft, and the target's greedy tokens for _GREEDY_PROMPTS
+    (computed once for the parametrizations below: the autoregressive run does not depend on
+    them). The prompt-lookup, feature-proposer and streaming tests below use these models
+    and shapes too (3 prompts in the 16-token bucket, max_new_tokens in the 64-token
+    bucket), so that they reuse the autoregressive program and run, and the K=3 token
+    engine's program, instead of compiling their own (XLA's compile is most of their time)."""
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1, dim=32), seed=6)
     ar = build.generate_autoregressive(tgt, _GREEDY_PROMPTS, seed=0, max_new_tokens=40,
@@ -291,13 +295,11 @@ def test_speculative_greedy_equals_autoregressive_greedy(greedy_case, k, method)
     assert all(len(t) == 40 for t in sp.tokens)
 
 
-def test_prompt_lookup_greedy_equals_autoregressive():
-    tgt = LlamaLM.init(tiny_config(vocab_size=16, n_layers=1), seed=7)
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5]]
+def test_prompt_lookup_greedy_equals_autoregressive(greedy_case):
+    tgt, _, ar = greedy_case  # the target's greedy tokens for _GREEDY_PROMPTS, 40 each
     cfg = sampling.SamplingConfig(temperature=0.0)
-    ar = build.generate_autoregressive(tgt, prompts, seed=0, sampling_params=cfg, max_new_tokens=30)
-    sp = build.generate(tgt, "lookup", prompts, k=4, method="greedy", seed=0, sampling_params=cfg,
-                         max_new_tokens=30)
+    sp = build.generate(tgt, "lookup", _GREEDY_PROMPTS, k=4, method="greedy", seed=0, sampling_params=cfg,
+                         max_new_tokens=40)
     assert sp.tokens == ar.tokens
     # greedy text from a small model repeats: lookup must have drafted and been accepted
     assert sum(s.accepted for s in sp.stats) > 0
@@ -319,11 +321,13 @@ def test_prompt_lookup_law(target):
 
 
 def test_stop_tokens_and_max_new_tokens_cut_exactly(target, draft):
-    prompts = [[1, 2, 3], [4, 4, 4, 4, 4], [7, 6]]
+    # (2 rows, K=3, token: one program with test_statistics_are_consistent and the tests
+    # after it; K, the method and the number of rows do not matter to the stop rules)
+    prompts = [[1, 2, 3], [4, 4, 4, 4, 4]]
     cfg = sampling.SamplingConfig(temperature=1.0)
-    full = build.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30)
+    full = build.generate(target, draft, prompts, k=3, seed=1, sampling_params=cfg, max_new_tokens=30)
     stop = full.tokens[0][5]
-    cut = build.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg, max_new_tokens=30,
+    cut = build.generate(target, draft, prompts, k=3, seed=1, sampling_params=cfg, max_new_tokens=30,
                           stop_tokens=[stop])
     for f, c, s in zip(full.tokens, cut.tokens, cut.finished_by_stop):
         if stop in f:
@@ -331,15 +335,16 @@ def test_stop_tokens_and_max_new_tokens_cut_exactly(target, draft):
             assert c == f[: i + 1] and s
         else:
             assert c == f and not s
-    per_row = build.generate(target, draft, prompts, k=4, seed=1, sampling_params=cfg,
-                              max_new_tokens=[7, 1, 13])
-    assert [len(t) for t in per_row.tokens] == [7, 1, 13]
+    per_row = build.generate(target, draft, prompts, k=3, seed=1, sampling_params=cfg,
+                              max_new_tokens=[7, 1])
+    assert [len(t) for t in per_row.tokens] == [7, 1]
     for f, c in zip(full.tokens, per_row.tokens):
         assert c == f[: len(c)]
 
 
 def test_statistics_are_consistent(target, draft):
-    # (2 rows, K=3, token: the program test_no_recompilation_for_new_values compiles)
+    # (2 rows, K=3, token, 16-token prompt bucket, 32-token output bucket: the program of
+    # the stop-rule test above and of several tests below, compiled once)
     out = build.generate(target, draft, [[1, 2, 3]] * 2, k=3, seed=0, max_new_tokens=20)
     for s, t in zip(out.stats, out.tokens):
         assert s.emitted == len(t) == 20
@@ -377,15 +382,17 @@ _SUBPROCESS = textwrap.dedent("""
     from specjax import build
     t = LlamaLM.init(tiny_config(vocab_size=8, n_layers=2), seed=11)
     d = LlamaLM.init(tiny_config(vocab_size=8, n_layers=1), seed=22)
-    out = build.generate(t, d, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9, max_new_tokens=20)
+    out = build.generate(t, d, [[1, 2, 3], [4, 5]], k=3, method="token", seed=9, max_new_tokens=20)
     print(json.dumps(out.tokens))
 """)
 
 
 def test_same_key_same_output_across_processes(target, draft):
-    here = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
+    # (2 rows, K=3, token: the program of test_statistics_are_consistent, compiled once, and
+    # read from the compilation cache by the subprocess)
+    here = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="token", seed=9,
                            max_new_tokens=20)
-    again = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=9,
+    again = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="token", seed=9,
                             max_new_tokens=20)
     assert here.tokens == again.tokens
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,7 +400,7 @@ def test_same_key_same_output_across_processes(target, draft):
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == here.tokens
-    other = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="block", seed=10,
+    other = build.generate(target, draft, [[1, 2, 3], [4, 5]], k=3, method="token", seed=10,
                             max_new_tokens=20)
     assert other.tokens != here.tokens
 
@@ -543,13 +550,14 @@ def test_a_row_with_no_possible_token_is_an_error_not_minus_ones(target):
     assert out.tokens == [[], [3]]  # row 1: 3 drawn, then seen, then impossible
 
 
-def test_nan_logits_raise_not_sample(draft):
-    good = LlamaLM.init(tiny_config(vocab_size=V, n_layers=1), seed=1)
-    w = good.canonical_weights()
+def test_nan_logits_raise_not_sample(target, draft):
+    # the target's config and the shapes of test_statistics_are_consistent (speculative) and
+    # test_no_recompilation_for_new_values (autoregressive): their programs, with NaN weights
+    w = target.canonical_weights()
     w["final_norm"] = w["final_norm"] * np.nan
-    bad = LlamaLM.from_weights(good.config, w)
+    bad = LlamaLM.from_weights(target.config, w)
     with pytest.raises(FloatingPointError):
-        build.generate(bad, draft, [[1, 2, 3]], k=2, seed=0, max_new_tokens=5)
+        build.generate(bad, draft, [[1, 2, 3]] * 2, k=3, seed=0, max_new_tokens=5)
     with pytest.raises(FloatingPointError):
         build.generate_autoregressive(bad, [[1, 2, 3]], seed=0, max_new_tokens=5)
 
@@ -601,14 +609,12 @@ class _HiddenReadoutProposer:
                     checks=state["checks"] + ok)
 
 
-def test_feature_proposer_gets_the_right_hidden_states():
-    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
+def test_feature_proposer_gets_the_right_hidden_states(greedy_case):
+    tgt, _, ar = greedy_case  # the target's greedy tokens for _GREEDY_PROMPTS, 40 each
     embed = jnp.asarray(tgt.canonical_weights()["embed"])
     prop = _HiddenReadoutProposer(embed=embed, vocab_size=64, k=3)
     eng = engine.SpeculativeEngine(tgt, prop, "greedy")
-    prompts = [[3, 9, 27, 17], [5, 1]]
-    out = eng.generate(prompts, seed=0, max_new_tokens=30)
-    ar = build.generate_autoregressive(tgt, prompts, seed=0, max_new_tokens=30, greedy=True)
+    out = eng.generate(_GREEDY_PROMPTS, seed=0, max_new_tokens=40)
     assert out.tokens == ar.tokens
     st = out.raw["proposer_state"]
     assert np.all(np.asarray(st["checks"]) > 0)
@@ -619,13 +625,14 @@ def test_feature_proposer_gets_the_right_hidden_states():
 
 
 @pytest.mark.parametrize("which", ["speculative", "autoregressive"])
-def test_stream_yields_the_same_tokens_as_generate(which):
-    tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2), seed=1)
-    dft = LlamaLM.init(tiny_config(vocab_size=64, n_layers=1), seed=2)
+def test_stream_yields_the_same_tokens_as_generate(greedy_case, which):
+    # greedy_case's models and shapes (3 prompts, max_new_tokens up to 35: the 64-token
+    # bucket): generate's program is the K=3 token greedy test's or the autoregressive one's
+    tgt, dft, _ = greedy_case
     eng = build.make_engine(tgt, dft, 3) if which == "speculative" else build.make_autoregressive_engine(tgt)
-    prompts = [[4, 5, 6], [1, 2], [7, 8, 9, 10, 11], [60, 61]]
+    prompts = [[4, 5, 6], [1, 2], [7, 8, 9, 10, 11]]
     kw = dict(seed=3, sampling_params=sampling.SamplingConfig(temperature=3.0),
-              max_new_tokens=[20, 35, 9, 30], stop_tokens=[25, 20])
+              max_new_tokens=[20, 35, 9], stop_tokens=[25, 20])
     ref = eng.generate(prompts, **kw)
     assert any(ref.finished_by_stop) and len({len(t) for t in ref.tokens}) > 2  # ragged
     for chunk in (1, 3):
