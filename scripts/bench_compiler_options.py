@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             for name in sets:
                 eng = engs[name][kind]
                 if kind == "auto":  # its cost table: measured with the streamed programs
-                    t, c = time.perf_counter(), time.process_time()
+                    t = time.perf_counter()
                     table = eng.costs_for(b, like=eng.prepare(groups[0], **kw))
                     print(f"batch {b}: {name} k=auto cost table (ms, drafting 0..K): "
                           f"{', '.join(f'{1e3 * x:.1f}' for x in table)} ({time.perf_counter() - t:.0f} s)",

@@ -771,6 +771,15 @@ class _Sharded:
         """``jax.jit(fn, **kwargs)`` with the engine's compile options."""
         return jax.jit(fn, compiler_options=self.compiler_options or None, **kwargs)
 
+    def _jit_programs(self) -> None:
+        """The engine's jitted programs: a whole generation (``_run``) and the streamed one in
+        chunks (``_start``, ``_advance``, ``_finish``); compiled ones are kept per signature."""
+        self._run = self._jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._start = self._jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
+        self._advance = self._jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
+        self._finish = self._jit(self._finish_program, static_argnames=("out_cap",))
+        self._compiled: dict = {}  # signature -> compiled program (see _executable)
+
     def _hints_of(self, batch: Batch, greedy: bool = False):
         """The :class:`specjax.sampling.BatchHints` of ``batch``'s settings (``greedy``: every
         row at temperature 0), or None when this engine does not use them."""
@@ -1501,11 +1510,7 @@ class SpeculativeEngine(_Sharded):
             for b, c in dict(costs).items():
                 self.set_costs(b, c)
         self.trace_count = 0
-        self._run = self._jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._start = self._jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._advance = self._jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
-        self._finish = self._jit(self._finish_program, static_argnames=("out_cap",))
-        self._compiled: dict = {}  # signature -> compiled program (see _executable)
+        self._jit_programs()
 
     @property
     def k(self) -> int:
@@ -2143,11 +2148,7 @@ class AutoregressiveEngine(_Sharded):
         self.batch_hints = resolve_batch_hints(batch_hints)
         self.compiler_options = resolve_compiler_options(compiler_options)
         self.trace_count = 0
-        self._run = self._jit(self._program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._start = self._jit(self._start_program, static_argnames=("out_cap", "cache_len", "hints"))
-        self._advance = self._jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
-        self._finish = self._jit(self._finish_program, static_argnames=("out_cap",))
-        self._compiled: dict = {}  # signature -> compiled program (see _executable)
+        self._jit_programs()
 
     def _program(self, target_params, prompts, prompt_lens, row_keys, params, controls, max_new,
                  stop_ids, use_penalties, *, out_cap, cache_len, hints=None):
