@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
@@ -49,9 +50,9 @@ from specjax.configs import load_config
 from specjax.models.base import KVCache
 
 __all__ = [
-    "AXES", "CACHE_NAMES", "LOGITS_NAMES", "MeshConfig", "AxisRules", "ShardingConfig",
+    "AXES", "CACHE_NAMES", "LOGITS_NAMES", "ENGINE_NAMES", "MeshConfig", "AxisRules", "ShardingConfig",
     "MeshPlan", "load_sharding_config", "sharding_from_dict", "make_mesh", "make_plan",
-    "param_shardings", "put_host_params",
+    "param_shardings", "unused_rules", "put_host_params",
     "initialize_distributed", "is_main_process", "log", "shard_bytes",
     "tree_bytes_per_device", "cache_bytes_per_device",
 ]
@@ -61,6 +62,7 @@ ROLES = ("target", "draft")
 # logical names of the engine's arrays (the models name their parameters themselves)
 CACHE_NAMES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # KVCache.k / .v
 LOGITS_NAMES = ("batch", None, "vocab")  # [B, T, V]
+ENGINE_NAMES = frozenset(n for n in CACHE_NAMES + LOGITS_NAMES if n is not None)
 
 AxisSpec = Union[None, str, tuple]
 
@@ -430,13 +432,29 @@ def _names_of(meta_spec) -> tuple:
     return tuple(meta_spec) if meta_spec is not None else ()
 
 
+def unused_rules(rules: AxisRules, names) -> list:
+    """The logical names that ``rules`` map to mesh axes but that neither ``names`` (a
+    model's parameter names) nor the engines' arrays (:data:`ENGINE_NAMES`) have: a typo
+    such as ``vocabb: model`` shards nothing."""
+    used = set(names) | ENGINE_NAMES
+    return [k for k, v in rules.pairs if v is not None and k not in used]
+
+
 def param_shardings(abstract_state, plan: MeshPlan, role: str = "target"):
     """NamedShardings (a pytree matching the state's leaves) from the parameters' logical
-    names (``nnx.get_partition_spec``) and the role's rules; works on abstract states."""
+    names (``nnx.get_partition_spec``) and the role's rules; works on abstract states.
+    Warns (once per message) when the rules map a name that no parameter of this model and
+    no engine array has (:func:`unused_rules`): activations a model constrains by names of
+    its own may use such a rule, so it is not an error."""
     specs = nnx.get_partition_spec(abstract_state)  # same structure, P leaves
     flat_vals, treedef = jax.tree.flatten(abstract_state)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     assert len(flat_vals) == len(flat_specs), (len(flat_vals), len(flat_specs))
+    unused = unused_rules(plan.config.rules(role), {n for s in flat_specs for n in _names_of(s) if n})
+    if unused:
+        warnings.warn(f"sharding config {plan.config.name}: rules.{role} map {unused} to mesh axes, but no "
+                      f"parameter of this model and no engine array has such an axis (a typo?): they shard "
+                      f"nothing", stacklevel=2)
     shardings = []
     for v, s in zip(flat_vals, flat_specs):
         names = _names_of(s)

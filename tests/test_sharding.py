@@ -368,3 +368,33 @@ def test_pod_scripts_check_their_arguments_before_any_work(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and err.count("\n") == 1, (argv, err)
+
+
+def test_a_rule_no_array_has_is_reported_not_silent():
+    """A rule whose logical name no parameter of the model and no engine array has (a typo:
+    ``vocabb``) used to shard nothing without a word: param_shardings warns, naming it; the
+    shipped configs with the shipped kinds of model (unrolled and scanned layers, an EAGLE
+    head as draft) warn about nothing."""
+    import warnings
+
+    from specjax.models.eagle import EagleConfig, EagleModel
+    from specjax.models.llama import LlamaLM, tiny_config
+
+    unrolled = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=1)
+    scanned = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32, scan_layers=True), seed=1)
+    head = EagleModel.for_target(unrolled, EagleConfig.for_target(unrolled.config, n_heads=4, n_kv_heads=2,
+                                                                  head_dim=8, ffn_dim=32), seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("dp", "tp", "tp_draft_sharded"):
+            plan = S.make_plan(name, data=1, model=1)
+            for m in (unrolled, scanned):
+                S.param_shardings(m.params, plan, "target")
+            for m in (unrolled, head):
+                S.param_shardings(m.params, plan, "draft")
+    cfg = S.sharding_from_dict({"name": "typo", "rules": {"target": {"batch": "data", "vocabb": "model",
+                                                                     "experts": None}}})
+    assert S.unused_rules(cfg.target, ["embed", "vocab"]) == ["vocabb"]  # None maps nothing
+    plan = S.make_plan(cfg, data=1, model=1)
+    with pytest.warns(UserWarning, match=r"rules.target map \['vocabb'\] to mesh axes"):
+        S.param_shardings(unrolled.params, plan, "target")
