@@ -377,6 +377,7 @@ def test_a_rule_no_array_has_is_reported_not_silent():
     head as draft) warn about nothing."""
     import warnings
 
+    from specjax import engine
     from specjax.models.eagle import EagleConfig, EagleModel
     from specjax.models.llama import LlamaLM, tiny_config
 
@@ -384,6 +385,8 @@ def test_a_rule_no_array_has_is_reported_not_silent():
     scanned = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32, scan_layers=True), seed=1)
     head = EagleModel.for_target(unrolled, EagleConfig.for_target(unrolled.config, n_heads=4, n_kv_heads=2,
                                                                   head_dim=8, ffn_dim=32), seed=1)
+    # the engine names its logits itself (it may not import specjax.sharding): the same names
+    assert engine._LOGITS == S.LOGITS_NAMES
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for name in ("dp", "tp", "tp_draft_sharded"):
