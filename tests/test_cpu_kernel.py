@@ -1,7 +1,7 @@
 """The small-M FFI matmul (models/cpu_kernels.py): exact up to float32 rounding against a
 float64 reference, row results independent of the batch, differentiable, usable under
 jit/vmap/while_loop, chosen only where it applies, and really used by the model."""
-import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -201,12 +201,41 @@ def test_stacked_weights_are_read_in_place_with_the_slices_bits():
 
 
 def test_cache_dir_is_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(tmp_path))
+    """A build lands in $SPECJAX_KERNEL_CACHE under its build id and is found there, not
+    rebuilt; changed sources or ``force`` build again. The compiler is a stand-in that logs
+    its calls and writes its output file (the real one takes ~1 minute of CPU here, and
+    builds the suite's own library on first use: every kernel test runs through it)."""
+    calls = tmp_path / "calls.log"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "args = sys.argv[1:]\n"
+        "if args == ['--version']:\n"
+        "    print('fake-cxx 1.0'); sys.exit(0)\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(args) + '\\n')\n"
+        "open(args[args.index('-o') + 1], 'wb').write(b'not a library')\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
+    built = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
+
     p1 = ck.build()
+    assert built() == 1 and p1.parent == cache and p1.name == f"specjax_kernels-{ck.build_id(str(cxx))}.so"
     t1 = p1.stat().st_mtime_ns
     p2 = ck.build()
-    assert p1 == p2 and p2.stat().st_mtime_ns == t1  # found in the cache, not rebuilt
-    shutil.rmtree(tmp_path)
+    assert p1 == p2 and p2.stat().st_mtime_ns == t1 and built() == 1  # found in the cache, not rebuilt
+    assert ck.build(force=True) == p1 and built() == 2
+    assert [f.name for f in cache.iterdir()] == [p1.name]  # no temporary file left behind
+
+    changed = tmp_path / "small_matmul.cc"  # another source: another build id, another build
+    changed.write_text(ck.SOURCES[0].read_text() + "\n// changed\n")
+    monkeypatch.setattr(ck, "SOURCES", (changed, *ck.SOURCES[1:]))
+    ck.build_id.cache_clear()
+    p3 = ck.build()
+    assert p3 != p1 and p3.parent == cache and built() == 3
+    ck.build_id.cache_clear()  # the ids of the real sources again for the tests after this one
 
 
 # the last four run multi-threaded (above the kernel's kMinParallelFlops), the first of
