@@ -187,11 +187,14 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, *CXX_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building the CPU kernels failed: {' '.join(cmd)}\n{r.stderr[-4000:]}")
-    os.replace(tmp, out)  # atomic: concurrent processes see either nothing or the whole file
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels failed: {' '.join(cmd)}\n{r.stderr[-4000:]}")
+        os.replace(tmp, out)  # atomic: concurrent processes see either nothing or the whole file
+    finally:  # a failed or interrupted build (Ctrl-C while compiling) leaves nothing behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return out
 
 

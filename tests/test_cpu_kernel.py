@@ -1,7 +1,9 @@
 """The small-M FFI matmul (models/cpu_kernels.py): exact up to float32 rounding against a
 float64 reference, row results independent of the batch, differentiable, usable under
 jit/vmap/while_loop, chosen only where it applies, and really used by the model."""
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +238,26 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
     p3 = ck.build()
     assert p3 != p1 and p3.parent == cache and built() == 3
     ck.build_id.cache_clear()  # the ids of the real sources again for the tests after this one
+
+
+def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    """Ctrl-C while the compiler runs (the CLI's interrupt test hit it: an empty temporary
+    library stayed in ~/.cache/specjax/kernels): the interrupt propagates, no file stays."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
+
+    def interrupted(cmd, **kwargs):
+        if cmd[1:] == ["--version"]:
+            return subprocess.CompletedProcess(cmd, 0, "g++ 0\n", "")
+        assert Path(cmd[cmd.index("-o") + 1]).parent == cache  # the temporary file exists by now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck.subprocess, "run", interrupted)
+    ck.build_id.cache_clear()
+    with pytest.raises(KeyboardInterrupt):
+        ck.build()
+    ck.build_id.cache_clear()
+    assert list(cache.iterdir()) == []
 
 
 # the last four run multi-threaded (above the kernel's kMinParallelFlops), the first of
