@@ -202,11 +202,11 @@ def test_stacked_weights_are_read_in_place_with_the_slices_bits():
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * float(jnp.max(jnp.abs(b))))
 
 
-def test_cache_dir_is_reused(tmp_path, monkeypatch):
-    """A build lands in $SPECJAX_KERNEL_CACHE under its build id and is found there, not
-    rebuilt; changed sources or ``force`` build again. The compiler is a stand-in that logs
-    its calls and writes its output file (the real one takes ~1 minute of CPU here, and
-    builds the suite's own library on first use: every kernel test runs through it)."""
+def _stand_in_compiler(tmp_path, monkeypatch):
+    """$CXX set to a stand-in that answers ``--version``, logs every other call and writes
+    its ``-o`` file (the real build takes ~1 minute of CPU here). Its path is new, so the
+    build ids it gets (``build_id`` is memoized per compiler) are never the real one's.
+    Returns the number of builds it has run so far, as a function."""
     calls = tmp_path / "calls.log"
     cxx = tmp_path / "fake-cxx"
     cxx.write_text(
@@ -219,12 +219,19 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
         "open(args[args.index('-o') + 1], 'wb').write(b'not a library')\n")
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
+    return lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+def test_cache_dir_is_reused(tmp_path, monkeypatch):
+    """A build lands in $SPECJAX_KERNEL_CACHE under its build id and is found there, not
+    rebuilt; changed sources or ``force`` build again (the real build runs on first use:
+    every kernel test goes through it)."""
+    built = _stand_in_compiler(tmp_path, monkeypatch)
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
-    built = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
 
     p1 = ck.build()
-    assert built() == 1 and p1.parent == cache and p1.name == f"specjax_kernels-{ck.build_id(str(cxx))}.so"
+    assert built() == 1 and p1.parent == cache and p1.name == f"specjax_kernels-{ck.build_id(ck.compiler())}.so"
     t1 = p1.stat().st_mtime_ns
     p2 = ck.build()
     assert p1 == p2 and p2.stat().st_mtime_ns == t1 and built() == 1  # found in the cache, not rebuilt
@@ -234,30 +241,29 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
     changed = tmp_path / "small_matmul.cc"  # another source: another build id, another build
     changed.write_text(ck.SOURCES[0].read_text() + "\n// changed\n")
     monkeypatch.setattr(ck, "SOURCES", (changed, *ck.SOURCES[1:]))
-    ck.build_id.cache_clear()
+    ck.build_id.cache_clear()  # memoized per compiler: this one's id with the old sources
     p3 = ck.build()
     assert p3 != p1 and p3.parent == cache and built() == 3
-    ck.build_id.cache_clear()  # the ids of the real sources again for the tests after this one
 
 
 def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     """Ctrl-C while the compiler runs (the CLI's interrupt test hit it: an empty temporary
     library stayed in ~/.cache/specjax/kernels): the interrupt propagates, no file stays."""
+    built = _stand_in_compiler(tmp_path, monkeypatch)
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
+    run = subprocess.run
 
     def interrupted(cmd, **kwargs):
         if cmd[1:] == ["--version"]:
-            return subprocess.CompletedProcess(cmd, 0, "g++ 0\n", "")
+            return run(cmd, **kwargs)
         assert Path(cmd[cmd.index("-o") + 1]).parent == cache  # the temporary file exists by now
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ck.subprocess, "run", interrupted)
-    ck.build_id.cache_clear()
     with pytest.raises(KeyboardInterrupt):
         ck.build()
-    ck.build_id.cache_clear()
-    assert list(cache.iterdir()) == []
+    assert list(cache.iterdir()) == [] and built() == 0
 
 
 # the last four run multi-threaded (above the kernel's kMinParallelFlops), the first of
