@@ -54,6 +54,18 @@ is opaque to SPMD partitioning, so sharded runs keep XLA's ops); the matmul to a
 ``x[M, K] @ w[K, N]`` (N not a multiple of 64: zero columns are padded per call and cut).
 Gradients go through ``custom_jvp`` rules that use XLA's ops, so training is unaffected.
 
+Vector width: the kernels compute in 16-float vectors (GCC vector extensions), one AVX-512
+register each. Where the CPU has no AVX-512 (AVX2: AMD Zen, many desktop Intel CPUs), GCC
+keeps a 16-float generic vector on the stack and every operation goes through memory: the
+matmul ran 3-6x slower than XLA's dot and a SmolLM2-135M decode step 1.9x slower (69 vs 36
+ms on a 2-core AMD EPYC). There the hot loops (the matmul's register blocks, the attention's
+scores, softmax and weighted sums, the RMSNorm's sum of squares) run in 8-float vectors,
+each 16-float block as two halves with the same products and sums lane for lane, and the
+register blocks are split to fit AVX2's 16 registers: the same bits as before, a decode step
+in 33 ms (BENCHMARKS.md, "The CPU kernels on an AVX2 CPU"). GGUF block weights
+(:func:`block_matmul`) keep the 16-float code, which is why ``weight_blocks="auto"`` stays
+off without AVX-512.
+
 Numerics: each output element accumulates over K in an order that depends only on K, N and
 the thread count (never on M or the other rows), so a row's result does not depend on the
 batch it sits in (bit for bit, on a given machine); it differs from XLA's dot by float32

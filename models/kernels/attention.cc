@@ -40,26 +40,47 @@ using specjax_kernels::v16;
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+// The vector the hot loops below compute in: 16 floats with AVX-512; elsewhere 8 (GCC keeps
+// a 16-float generic vector on the stack where no register holds it: this kernel ran ~3x
+// slower on an AVX2 CPU), and a 16-slot block is two of them, lane for lane the same values.
+#if defined(__AVX512F__)
+using vf = v16;
+using vi = v16i;
+#else
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+using vf = v8;
+using vi = v8i;
+#endif
+constexpr int kLanes = sizeof(vf) / sizeof(float);
+constexpr int kParts = 16 / kLanes;  // vectors per 16 floats
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
 // exp for a vector of floats: Cody-Waite range reduction + degree-6 polynomial (~2 ulp),
 // inputs <= 0 here (max-subtracted scores); underflows cleanly to 0 below -87.
-inline v16 vexp(v16 x) {
-  const v16 lo = v16{} - 87.3f;
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.3f;
   x = x < lo ? lo : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  v16 r = x - n * 0.693359375f;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  vf r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16 scale;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &e, sizeof(scale));
-  v16 y = p * scale;
-  return x <= lo ? v16{} : y;
+  vf y = p * scale;
+  return x <= lo ? vf{} : y;
 }
 
 // In-place transpose of a 16 x 16 block held as 16 row vectors: four butterfly stages, each
@@ -87,32 +108,37 @@ inline void Transpose16(v16* a) {
 }
 #undef SJ_STAGE
 
-constexpr int kRowBlock = 8;  // query rows per score block
+constexpr int kRowBlock = 8;  // query rows per score block (and the unit of the task split below)
+// ... of which one ScoreRows call takes (AVX2: 6, so that their accumulators, two vectors a
+// row, and the slot block's two fit in 16 registers)
+constexpr int kScoreRows = kLanes == 16 ? kRowBlock : 6;
 constexpr int64_t kPrefetchSlots = 48;  // K prefetch distance in slots
 constexpr double kMinParallelFlops = 2e6;  // attention below this runs on the calling thread
 
 template <int R>
 inline void ScoreRowsT(const float* const* qr, const float* kt, int64_t H, float scale, float* out,
                        int64_t stride) {
-  v16 acc[R];
-  for (int j = 0; j < R; ++j) acc[j] = v16{};
+  vf acc[R][kParts];
+  for (int j = 0; j < R; ++j)
+    for (int u = 0; u < kParts; ++u) acc[j][u] = vf{};
   for (int64_t i = 0; i < H; ++i) {
-    v16 kv;
-    std::memcpy(&kv, kt + i * 16, sizeof(kv));
-    for (int j = 0; j < R; ++j) acc[j] += qr[j][i] * kv;
+    vf kv[kParts];
+    for (int u = 0; u < kParts; ++u) kv[u] = loadv(kt + i * 16 + u * kLanes);
+    for (int j = 0; j < R; ++j)
+      for (int u = 0; u < kParts; ++u) acc[j][u] += qr[j][i] * kv[u];
   }
-  for (int j = 0; j < R; ++j) {
-    const v16 y = acc[j] * scale;
-    std::memcpy(out + j * stride, &y, sizeof(y));
-  }
+  for (int j = 0; j < R; ++j)
+    for (int u = 0; u < kParts; ++u) storev(out + j * stride + u * kLanes, acc[j][u] * scale);
 }
 
 // out[j * stride + 0:16] = (q_j . kt[:, 0:16]) * scale for j < nr
 inline void ScoreRows(int nr, const float* const* qr, const float* kt, int64_t H, float scale, float* out,
                       int64_t stride) {
   switch (nr) {
+#if defined(__AVX512F__)
     case 8: return ScoreRowsT<8>(qr, kt, H, scale, out, stride);
     case 7: return ScoreRowsT<7>(qr, kt, H, scale, out, stride);
+#endif
     case 6: return ScoreRowsT<6>(qr, kt, H, scale, out, stride);
     case 5: return ScoreRowsT<5>(qr, kt, H, scale, out, stride);
     case 4: return ScoreRowsT<4>(qr, kt, H, scale, out, stride);
@@ -126,14 +152,15 @@ inline void ScoreRows(int nr, const float* const* qr, const float* kt, int64_t H
 template <int HV>
 inline void WeightedSum(const float* __restrict w, const float* __restrict v, int64_t vis, float inv,
                         float* __restrict orow) {
-  v16 acc[HV];
-  for (int c = 0; c < HV; ++c) acc[c] = v16{};
+  constexpr int NV = HV * kParts;
+  vf acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = vf{};
   for (int64_t s = 0; s < vis; ++s) {
     const float ws = w[s];
     const float* vs = v + s * 16 * HV;
-    for (int c = 0; c < HV; ++c) acc[c] += ws * load16(vs + 16 * c);
+    for (int c = 0; c < NV; ++c) acc[c] += ws * loadv(vs + kLanes * c);
   }
-  for (int c = 0; c < HV; ++c) store16(orow + 16 * c, acc[c] * inv);
+  for (int c = 0; c < NV; ++c) storev(orow + kLanes * c, acc[c] * inv);
 }
 
 struct Dims {
@@ -221,7 +248,7 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
         for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(k + sk * H + c * 16, 0, 3);
       for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(v + (s0 + j) * H + c * 16, 0, 2);
     }
-    if (H % 16 == 0) {
+    if (H % 16 == 0 && kLanes == 16) {
       for (int64_t c = 0; c < H; c += 16) {
         v16 a[16];
         if (nb == 16) {
@@ -236,12 +263,12 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
       for (int64_t j = 0; j < 16; ++j)
         for (int64_t i = 0; i < H; ++i) kt[i * 16 + j] = j < nb ? k[(s0 + j) * H + i] : 0.f;
     }
-    // kRowBlock rows at a time, each with its own accumulator: one row's 16-slot sum is a
+    // kScoreRows rows at a time, each with its own accumulator: one row's 16-slot sum is a
     // chain of H dependent FMAs (latency-bound); interleaving rows makes it throughput-bound.
     // Each row still sums over i in the same order, so results do not depend on the blocking.
-    for (int64_t r0 = 0; r0 < TG; r0 += kRowBlock) {
-      const int64_t nr = TG - r0 < kRowBlock ? TG - r0 : kRowBlock;
-      const float* qr[kRowBlock];
+    for (int64_t r0 = 0; r0 < TG; r0 += kScoreRows) {
+      const int64_t nr = TG - r0 < kScoreRows ? TG - r0 : kScoreRows;
+      const float* qr[kScoreRows];
       for (int64_t j = 0; j < nr; ++j) {
         const int64_t t = (rb + r0 + j) / d.G, g = (rb + r0 + j) % d.G;
         qr[j] = q + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
@@ -263,28 +290,30 @@ void Head(const Dims& d, const float* q, const float* k, const float* v, const i
     if (tr)  // region slots (all >= lo) outside the row's mask or window
       for (int64_t s = tr->len; s < vis; ++s)
         if (!tr->Sees(d, t, pos_b[t], s)) sr[s - first] = -INFINITY;
-    v16 mv = load16(sr);
-    for (int64_t s = 16; s < n16; s += 16) {
-      const v16 x = load16(sr + s);
-      mv = x > mv ? x : mv;
-    }
-    float m = mv[0];
-    for (int j = 1; j < 16; ++j) m = mv[j] > m ? mv[j] : m;
+    vf mv[kParts];
+    for (int u = 0; u < kParts; ++u) mv[u] = loadv(sr + u * kLanes);
+    for (int64_t s = 16; s < n16; s += 16)
+      for (int u = 0; u < kParts; ++u) {
+        const vf x = loadv(sr + s + u * kLanes);
+        mv[u] = x > mv[u] ? x : mv[u];
+      }
+    float m = mv[0][0];
+    for (int j = 1; j < 16; ++j) m = mv[j / kLanes][j % kLanes] > m ? mv[j / kLanes][j % kLanes] : m;
     float* orow = o + (((b * d.T + t) * d.Nkv + h) * d.G + g) * H;
     if (tr && !(m > -INFINITY)) {  // a row that sees no slot: zeros (never NaN)
       std::memset(orow, 0, H * sizeof(float));
       continue;
     }
-    v16 lsum = v16{};
-    for (int64_t s = 0; s < n16; s += 16) {
-      v16 x;
-      std::memcpy(&x, sr + s, sizeof(x));
-      x = vexp(x - m);
-      std::memcpy(sr + s, &x, sizeof(x));
-      lsum += x;
-    }
+    vf lsum[kParts];
+    for (int u = 0; u < kParts; ++u) lsum[u] = vf{};
+    for (int64_t s = 0; s < n16; s += 16)
+      for (int u = 0; u < kParts; ++u) {
+        const vf x = vexp(loadv(sr + s + u * kLanes) - m);
+        storev(sr + s + u * kLanes, x);
+        lsum[u] += x;
+      }
     float l = 0.f;
-    for (int j = 0; j < 16; ++j) l += lsum[j];
+    for (int j = 0; j < 16; ++j) l += lsum[j / kLanes][j % kLanes];
     const float inv = 1.0f / l;
     const float* wr = sr + a;  // weights of slots lo..vis-1
     const float* vr = v + lo * H;

@@ -32,13 +32,25 @@ ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, float e
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * d;
     float* yr = yp + r * d;
+    float lane[16];
+#if defined(__AVX512F__)
     v16 acc = v16{};
     for (int64_t i = 0; i < d16; i += 16) {
       const v16 v = load16(xr + i);
       acc += v * v;
     }
-    float lane[16];
     store16(lane, acc);
+#else  // two 8-float halves, lane for lane the same sums (a 16-float vector lives on the stack here)
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 acc[2] = {v8{}, v8{}};
+    for (int64_t i = 0; i < d16; i += 16)
+      for (int u = 0; u < 2; ++u) {
+        v8 v;
+        std::memcpy(&v, xr + i + 8 * u, sizeof(v));
+        acc[u] += v * v;
+      }
+    std::memcpy(lane, acc, sizeof(lane));
+#endif
     for (int64_t i = d16; i < d; ++i) lane[i - d16] += xr[i] * xr[i];
     for (int width = 8; width >= 1; width /= 2)
       for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
