@@ -95,6 +95,14 @@ def test_bench_configs_load(tmp_path):
     bad.write_text("model: tiny\nkays: [2]\n")
     with pytest.raises(ValueError, match="kays"):
         load_bench_config(str(bad))
+    # `dataset: false` is off (it raised a TypeError from deep in the check); another
+    # non-mapping is a ValueError that says what is wanted
+    off = tmp_path / "off.yaml"
+    off.write_text("model: tiny\ndataset: false\n")
+    assert load_bench_config(str(off)).dataset is None
+    off.write_text("model: tiny\ndataset: 64\n")
+    with pytest.raises(ValueError, match="dataset must be a mapping"):
+        load_bench_config(str(off))
 
 
 def test_profile_round_tiny(tmp_path):

@@ -155,7 +155,12 @@ class BenchConfig:
             raise ValueError("repeats, max_new_tokens and num_prompts must be >= 1")
         if self.peer_schedules and any(s not in ("constant", "heuristic") for s in self.peer_schedules):
             raise ValueError("peer_schedules must be among constant, heuristic")
+        if self.dataset is False:  # `dataset: false` in a config file: off, as None
+            object.__setattr__(self, "dataset", None)
         if self.dataset is not None:
+            if not isinstance(self.dataset, dict):
+                raise ValueError(f"dataset must be a mapping of the dataset workload's settings, or false / "
+                                 f"null for none; got {self.dataset!r}")
             self.dataset_spec()  # checked now, before anything loads
         for b in self.batch_sizes:
             if not self.ks_for(b):
