@@ -40,26 +40,17 @@ using specjax_kernels::v16;
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-// The vector the hot loops below compute in: 16 floats with AVX-512; elsewhere 8 (GCC keeps
-// a 16-float generic vector on the stack where no register holds it: this kernel ran ~3x
-// slower on an AVX2 CPU), and a 16-slot block is two of them, lane for lane the same values.
 #if defined(__AVX512F__)
-using vf = v16;
 using vi = v16i;
 #else
-typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
-using vf = v8;
 using vi = v8i;
 #endif
-constexpr int kLanes = sizeof(vf) / sizeof(float);
-constexpr int kParts = 16 / kLanes;  // vectors per 16 floats
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+using specjax_kernels::kLanes;
+using specjax_kernels::loadv;
+using specjax_kernels::storev;
+using specjax_kernels::vf;
+constexpr int kParts = 16 / kLanes;  // vectors per 16-slot block (see common.h)
 
 // exp for a vector of floats: Cody-Waite range reduction + degree-6 polynomial (~2 ulp),
 // inputs <= 0 here (max-subtracted scores); underflows cleanly to 0 below -87.

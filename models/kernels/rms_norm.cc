@@ -15,9 +15,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using specjax_kernels::load16;
-using specjax_kernels::store16;
-using specjax_kernels::v16;
+using specjax_kernels::kLanes;
+using specjax_kernels::loadv;
+using specjax_kernels::vf;
 
 ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, float eps, float offset,
                        ffi::ResultBuffer<ffi::F32> y) {
@@ -32,25 +32,14 @@ ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, float e
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * d;
     float* yr = yp + r * d;
-    float lane[16];
-#if defined(__AVX512F__)
-    v16 acc = v16{};
-    for (int64_t i = 0; i < d16; i += 16) {
-      const v16 v = load16(xr + i);
-      acc += v * v;
-    }
-    store16(lane, acc);
-#else  // two 8-float halves, lane for lane the same sums (a 16-float vector lives on the stack here)
-    typedef float v8 __attribute__((vector_size(32)));
-    v8 acc[2] = {v8{}, v8{}};
+    float lane[16];  // lane j sums the squares of elements j, j + 16, ... (vf: common.h)
+    vf acc[16 / kLanes] = {};
     for (int64_t i = 0; i < d16; i += 16)
-      for (int u = 0; u < 2; ++u) {
-        v8 v;
-        std::memcpy(&v, xr + i + 8 * u, sizeof(v));
+      for (int u = 0; u < 16 / kLanes; ++u) {
+        const vf v = loadv(xr + i + u * kLanes);
         acc[u] += v * v;
       }
     std::memcpy(lane, acc, sizeof(lane));
-#endif
     for (int64_t i = d16; i < d; ++i) lane[i - d16] += xr[i] * xr[i];
     for (int width = 8; width >= 1; width /= 2)
       for (int j = 0; j < width; ++j) lane[j] += lane[j + width];

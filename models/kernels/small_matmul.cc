@@ -44,10 +44,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using specjax_kernels::kLanes;
 using specjax_kernels::load16;
+using specjax_kernels::loadv;
 using specjax_kernels::RunTasks;
 using specjax_kernels::store16;
+using specjax_kernels::storev;
 using specjax_kernels::v16;
+using specjax_kernels::vf;
 
 constexpr int kMaxRows = 6;            // x rows per register block of 64-column units
 constexpr int kMaxRowsNarrow = 9;      // 32-column units for kMaxRows < M <= kMaxRowsNarrow (measured)
@@ -84,54 +88,27 @@ constexpr int64_t kMaxChunks = 8;
 // NV = 4 (64-column units, up to 6 rows) or 2 (32-column units, up to 9 rows, so that 7..9
 // rows still read each weight row once; up to 12 rows x 2 accumulators + 2 weight vectors
 // would fit in the 32 vector registers, but 10-12 rows measured slower than 6-row groups).
-inline v16 LoadW(const float* p) { return load16(p); }
+inline vf LoadW(const float* p) { return loadv(p); }
 // float16 -> float32 with the F16C/AVX-512 conversion instruction (GCC lowers a generic
 // _Float16 vector conversion to a library call per element on CPUs without AVX512-FP16)
-inline v16 LoadW(const uint16_t* p) {
+inline vf LoadW(const uint16_t* p) {
+  vf v;
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  v16 v;
   std::memcpy(&v, &f, sizeof(v));
-  return v;
 #elif defined(__F16C__)
-  v16 v;
-  for (int i = 0; i < 2; ++i) {
-    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i)));
-    std::memcpy(reinterpret_cast<float*>(&v) + 8 * i, &f, sizeof(f));
-  }
-  return v;
+  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &f, sizeof(v));
 #else  // never called: the float16 handler refuses to run (models/cpu_kernels.py checks first)
   (void)p;
-  return v16{};
+  v = vf{};
 #endif
+  return v;
 }
 #if defined(__AVX512F__) || defined(__F16C__)
 constexpr bool kHaveF16 = true;
 #else
 constexpr bool kHaveF16 = false;
-#endif
-
-#if !defined(__AVX512F__)
-// 8-float vectors (one AVX register) for Micro below
-typedef float v8 __attribute__((vector_size(32)));
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline v8 LoadW8(const float* p) { return load8(p); }
-inline v8 LoadW8(const uint16_t* p) {
-#if defined(__F16C__)
-  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  v8 v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
-#else  // never called (see LoadW)
-  (void)p;
-  return v8{};
-#endif
-}
 #endif
 
 // WS: the weights' row stride when not n (a rebuilt unit of GGUF blocks, see Job)
@@ -151,35 +128,13 @@ inline void Micro(const float* __restrict xt, int64_t xs, const W* __restrict w,
     Micro<6, 1, NEXT_UNIT, W, WS>(xt, xs, w, rows, n, p, first);
     Micro<TM - 6, 1, NEXT_UNIT, W, WS>(xt + 6, xs, w, rows, n, p + 6 * n, first);
     return;
-  } else {
-    // GCC lowers a 16-float generic vector through the stack where no 16-float register
-    // exists (measured: the whole matmul 3-6x slower than XLA's dot on an AVX2 CPU), so the
-    // block is written in 8-float vectors here: the same products and sums per element.
-    constexpr int NW = 2 * NV;
-    const int64_t ws = WS ? WS : n;
-    v8 acc[TM][NW];
-    for (int t = 0; t < TM; ++t)
-      for (int j = 0; j < NW; ++j) acc[t][j] = first ? v8{} : load8(p + t * n + 8 * j);
-    for (int64_t r = 0; r < rows; ++r) {
-      const W* wr = w + r * ws;
-      const W* pf = NEXT_UNIT ? wr + 16 * NV : wr + kPrefetchRows * ws;  // as below
-      for (int j = 0; j < NV; ++j) __builtin_prefetch(pf + 16 * j, 0, 1);
-      v8 wv[NW];
-      for (int j = 0; j < NW; ++j) wv[j] = LoadW8(wr + 8 * j);
-      for (int t = 0; t < TM; ++t) {
-        const float b = xt[r * xs + t];
-        for (int j = 0; j < NW; ++j) acc[t][j] += b * wv[j];
-      }
-    }
-    for (int t = 0; t < TM; ++t)
-      for (int j = 0; j < NW; ++j) store8(p + t * n + 8 * j, acc[t][j]);
-    return;
   }
 #endif
+  constexpr int NW = NV * 16 / kLanes;  // vectors per row of the block (vf: common.h)
   const int64_t ws = WS ? WS : n;
-  v16 acc[TM][NV];
+  vf acc[TM][NW];
   for (int t = 0; t < TM; ++t)
-    for (int j = 0; j < NV; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
+    for (int j = 0; j < NW; ++j) acc[t][j] = first ? vf{} : loadv(p + t * n + kLanes * j);
   for (int64_t r = 0; r < rows; ++r) {
     const W* wr = w + r * ws;
     // may point past the end: prefetch never faults. Into L2/L3 (locality 1), not L1: with
@@ -188,15 +143,15 @@ inline void Micro(const float* __restrict xt, int64_t xs, const W* __restrict w,
     // kTileRowsMany), else kPrefetchRows rows ahead in this unit.
     const W* pf = NEXT_UNIT ? wr + 16 * NV : wr + kPrefetchRows * ws;
     for (int j = 0; j < NV; ++j) __builtin_prefetch(pf + 16 * j, 0, 1);
-    v16 wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = LoadW(wr + 16 * j);
+    vf wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = LoadW(wr + kLanes * j);
     for (int t = 0; t < TM; ++t) {
       const float b = xt[r * xs + t];
-      for (int j = 0; j < NV; ++j) acc[t][j] += b * wv[j];
+      for (int j = 0; j < NW; ++j) acc[t][j] += b * wv[j];
     }
   }
   for (int t = 0; t < TM; ++t)
-    for (int j = 0; j < NV; ++j) store16(p + t * n + 16 * j, acc[t][j]);
+    for (int j = 0; j < NW; ++j) storev(p + t * n + kLanes * j, acc[t][j]);
 }
 
 // Micro<tm, NV> for a runtime tm in 1..TM
