@@ -63,8 +63,8 @@ scores, softmax and weighted sums, the RMSNorm's sum of squares) run in 8-float 
 each 16-float block as two halves with the same products and sums lane for lane, and the
 register blocks are split to fit AVX2's 16 registers: the same bits as before, a decode step
 in 33 ms (BENCHMARKS.md, "The CPU kernels on an AVX2 CPU"). GGUF block weights
-(:func:`block_matmul`) keep the 16-float code, which is why ``weight_blocks="auto"`` stays
-off without AVX-512.
+(:func:`block_matmul`) keep the 16-float code, slow there; ``weight_blocks="auto"`` is off
+without AVX-512 anyway (:func:`has_avx512`).
 
 Numerics: each output element accumulates over K in an order that depends only on K, N and
 the thread count (never on M or the other rows), so a row's result does not depend on the

@@ -47,10 +47,10 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 using vi = v8i;
 #endif
 using specjax_kernels::kLanes;
+using specjax_kernels::kParts;
 using specjax_kernels::loadv;
 using specjax_kernels::storev;
 using specjax_kernels::vf;
-constexpr int kParts = 16 / kLanes;  // vectors per 16-slot block (see common.h)
 
 // exp for a vector of floats: Cody-Waite range reduction + degree-6 polynomial (~2 ulp),
 // inputs <= 0 here (max-subtracted scores); underflows cleanly to 0 below -87.
@@ -103,6 +103,7 @@ constexpr int kRowBlock = 8;  // query rows per score block (and the unit of the
 // ... of which one ScoreRows call takes (AVX2: 6, so that their accumulators, two vectors a
 // row, and the slot block's two fit in 16 registers)
 constexpr int kScoreRows = kLanes == 16 ? kRowBlock : 6;
+static_assert(kScoreRows <= 8, "ScoreRows below has cases for 1..8 rows");
 constexpr int64_t kPrefetchSlots = 48;  // K prefetch distance in slots
 constexpr double kMinParallelFlops = 2e6;  // attention below this runs on the calling thread
 
@@ -126,10 +127,8 @@ inline void ScoreRowsT(const float* const* qr, const float* kt, int64_t H, float
 inline void ScoreRows(int nr, const float* const* qr, const float* kt, int64_t H, float scale, float* out,
                       int64_t stride) {
   switch (nr) {
-#if defined(__AVX512F__)
     case 8: return ScoreRowsT<8>(qr, kt, H, scale, out, stride);
     case 7: return ScoreRowsT<7>(qr, kt, H, scale, out, stride);
-#endif
     case 6: return ScoreRowsT<6>(qr, kt, H, scale, out, stride);
     case 5: return ScoreRowsT<5>(qr, kt, H, scale, out, stride);
     case 4: return ScoreRowsT<4>(qr, kt, H, scale, out, stride);

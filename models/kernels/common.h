@@ -34,6 +34,7 @@ using vf = v16;
 using vf = v8;
 #endif
 constexpr int kLanes = sizeof(vf) / sizeof(float);
+constexpr int kParts = 16 / kLanes;  // vf vectors per 16-float block
 inline vf loadv(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));

@@ -16,6 +16,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using specjax_kernels::kLanes;
+using specjax_kernels::kParts;
 using specjax_kernels::loadv;
 using specjax_kernels::vf;
 
@@ -33,9 +34,9 @@ ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, float e
     const float* xr = xp + r * d;
     float* yr = yp + r * d;
     float lane[16];  // lane j sums the squares of elements j, j + 16, ... (vf: common.h)
-    vf acc[16 / kLanes] = {};
+    vf acc[kParts] = {};
     for (int64_t i = 0; i < d16; i += 16)
-      for (int u = 0; u < 16 / kLanes; ++u) {
+      for (int u = 0; u < kParts; ++u) {
         const vf v = loadv(xr + i + u * kLanes);
         acc[u] += v * v;
       }

@@ -45,6 +45,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using specjax_kernels::kLanes;
+using specjax_kernels::kParts;
 using specjax_kernels::load16;
 using specjax_kernels::loadv;
 using specjax_kernels::RunTasks;
@@ -130,7 +131,7 @@ inline void Micro(const float* __restrict xt, int64_t xs, const W* __restrict w,
     return;
   }
 #endif
-  constexpr int NW = NV * 16 / kLanes;  // vectors per row of the block (vf: common.h)
+  constexpr int NW = NV * kParts;  // vectors per row of the block (vf: common.h)
   const int64_t ws = WS ? WS : n;
   vf acc[TM][NW];
   for (int t = 0; t < TM; ++t)
