@@ -42,7 +42,8 @@ the ``MAX_ROWS`` crossover) are in BENCHMARKS.md; they depend on the machine and
 The kernels are compiled on first use with the system C++ compiler (``$CXX`` or ``g++``,
 ``-O3 -march=native``) against the FFI headers shipped in jaxlib, cached under
 ``$SPECJAX_KERNEL_CACHE`` (default ``~/.cache/specjax/kernels``) keyed by the source,
-compiler, flags, jaxlib version and CPU flags, and registered as the FFI targets
+compiler, flags, jaxlib version and CPU flags (processes that need it at once build it once:
+the others wait on a lock on that folder), and registered as the FFI targets
 ``specjax_small_matmul``, ``specjax_attention`` (and ``specjax_tree_attention``) and
 ``specjax_rms_norm``. Models choose them
 at trace time (:func:`use_small_matmul`, :func:`use_attention`, :func:`use_rms_norm`):
@@ -73,6 +74,7 @@ rounding only (~1e-6 relative). The same holds for the attention and RMSNorm ker
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -196,6 +198,33 @@ def build(force: bool = False) -> Path:
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_locked(out.parent):
+        # another process may have built it while this one waited (processes that start
+        # together, such as the test suite's workers, build once, not once each)
+        if out.exists() and not force:
+            return out
+        _compile(cxx, include, out)
+    return out
+
+
+@contextlib.contextmanager
+def _cache_locked(folder: Path):
+    """Hold an exclusive lock on the kernel cache folder (``flock`` on the folder itself, so
+    no lock file is left behind) while one process builds; a no-op where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: concurrent builds stay possible (each atomic)
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _compile(cxx: str, include: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, *CXX_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp]
@@ -207,7 +236,6 @@ def build(force: bool = False) -> Path:
     finally:  # a failed or interrupted build (Ctrl-C while compiling) leaves nothing behind
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return out
 
 
 @functools.lru_cache(maxsize=None)

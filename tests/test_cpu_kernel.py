@@ -202,19 +202,20 @@ def test_stacked_weights_are_read_in_place_with_the_slices_bits():
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * float(jnp.max(jnp.abs(b))))
 
 
-def _stand_in_compiler(tmp_path, monkeypatch):
+def _stand_in_compiler(tmp_path, monkeypatch, seconds=0.0):
     """$CXX set to a stand-in that answers ``--version``, logs every other call and writes
-    its ``-o`` file (the real build takes ~1 minute of CPU here). Its path is new, so the
-    build ids it gets (``build_id`` is memoized per compiler) are never the real one's.
-    Returns the number of builds it has run so far, as a function."""
+    its ``-o`` file after ``seconds`` (the real build takes ~1 minute of CPU here). Its path
+    is new, so the build ids it gets (``build_id`` is memoized per compiler) are never the
+    real one's. Returns the number of builds it has run so far, as a function."""
     calls = tmp_path / "calls.log"
     cxx = tmp_path / "fake-cxx"
     cxx.write_text(
         f"#!{sys.executable}\n"
-        "import sys\n"
+        "import sys, time\n"
         "args = sys.argv[1:]\n"
         "if args == ['--version']:\n"
         "    print('fake-cxx 1.0'); sys.exit(0)\n"
+        f"time.sleep({seconds})\n"
         f"open({str(calls)!r}, 'a').write(' '.join(args) + '\\n')\n"
         "open(args[args.index('-o') + 1], 'wb').write(b'not a library')\n")
     cxx.chmod(0o755)
@@ -244,6 +245,27 @@ def test_cache_dir_is_reused(tmp_path, monkeypatch):
     ck.build_id.cache_clear()  # memoized per compiler: this one's id with the old sources
     p3 = ck.build()
     assert p3 != p1 and p3.parent == cache and built() == 3
+
+
+def test_processes_that_build_at_once_build_once(tmp_path, monkeypatch):
+    """Two builds started together (the suite's two workers, several processes of a pod
+    host) compile once: the second waits for the first's lock on the cache folder and
+    finds its library. (Threads here: each takes its own lock, as processes do.)"""
+    import threading
+
+    built = _stand_in_compiler(tmp_path, monkeypatch, seconds=1.5)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
+    ck.build_id(ck.compiler())  # memoized before the threads start
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(ck.build())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] == got[1] and built() == 1
+    assert [f.name for f in cache.iterdir()] == [got[0].name]  # no lock file left behind
+    assert ck.build(force=True) == got[0] and built() == 2  # force still builds
 
 
 def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
