@@ -63,9 +63,11 @@ ms on a 2-core AMD EPYC). There the hot loops (the matmul's register blocks, the
 scores, softmax and weighted sums, the RMSNorm's sum of squares) run in 8-float vectors,
 each 16-float block as two halves with the same products and sums lane for lane, and the
 register blocks are split to fit AVX2's 16 registers: the same bits as before, a decode step
-in 33 ms (BENCHMARKS.md, "The CPU kernels on an AVX2 CPU"). GGUF block weights
-(:func:`block_matmul`) keep the 16-float code, slow there; ``weight_blocks="auto"`` is off
-without AVX-512 anyway (:func:`has_avx512`).
+in 33 ms (BENCHMARKS.md, "The CPU kernels on an AVX2 CPU"). The GGUF block kernel
+(:func:`block_matmul`) rebuilds its weights the same way, 8 at a time with AVX2 and FMA
+(before 2026-12-07 one by one there, and ``weight_blocks="auto"`` was off without
+AVX-512; now it is on wherever :func:`blocks_vectorized` holds: BENCHMARKS.md, "GGUF block
+weights on an AVX2 CPU").
 
 Numerics: each output element accumulates over K in an order that depends only on K, N and
 the thread count (never on M or the other rows), so a row's result does not depend on the
@@ -135,9 +137,16 @@ def _has_f16c() -> bool:
 
 
 def has_avx512() -> bool:
-    """Whether the CPU has AVX-512F: where the GGUF block path was measured (it rebuilds 16
-    weights with one conversion and one fma; elsewhere the kernel does it per element)."""
+    """Whether the CPU has AVX-512F (the kernels' 16-float registers)."""
     return "avx512f" in _cpu_flags().split()
+
+
+def blocks_vectorized() -> bool:
+    """Whether the GGUF block kernel rebuilds its weights in vector registers here: with
+    AVX-512F (16 at a time: a conversion and an fma) or AVX2 and FMA (8 at a time). Where it
+    does not (it then rebuilds them one by one) ``weight_blocks="auto"`` stays off."""
+    flags = _cpu_flags().split()
+    return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
 def compiler() -> str | None:

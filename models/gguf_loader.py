@@ -300,8 +300,9 @@ def blocks_eligible(reader, tie_embeddings: bool) -> bool:
 def _resolve_blocks(reader, cfg: LlamaConfig) -> bool:
     """``weight_blocks="auto"``: on where the file is eligible, the config allows blocks
     (float32, dimensions in whole blocks: ``LlamaConfig``'s own check) and the CPU kernels
-    apply (one CPU device, kernels not "xla", a C++ compiler to build them) on a CPU with
-    AVX-512 (where it was measured; ``weight_blocks=True`` runs anywhere). Nothing is built
+    apply (one CPU device, kernels not "xla", a C++ compiler to build them) on a CPU where
+    the block kernel rebuilds weights in vector registers (AVX-512, or AVX2 with FMA: where
+    it was measured; ``weight_blocks=True`` runs anywhere). Nothing is built
     here (the CLI reads the config before it checks its arguments); should the build fail
     later, the model rebuilds the weights with XLA's ops instead (the same values)."""
     if cfg.cpu_kernels == "xla" or not blocks_eligible(reader, cfg.tie_embeddings):
@@ -312,10 +313,10 @@ def _resolve_blocks(reader, cfg: LlamaConfig) -> bool:
         return False
     import jax
 
-    from specjax.models.cpu_kernels import compiler, has_avx512
+    from specjax.models.cpu_kernels import blocks_vectorized, compiler
 
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and compiler() is not None
-            and has_avx512())
+            and blocks_vectorized())
 
 
 def _plan_tensors(reader, cfg: LlamaConfig) -> list:

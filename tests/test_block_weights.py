@@ -223,7 +223,7 @@ def test_real_model_keeps_its_blocks_and_its_tokens(real_path):
     from specjax.build import make_autoregressive_engine
 
     lm, _ = gguf_loader.load_gguf_cached()
-    assert lm.config.weight_blocks == ck.has_avx512()  # "auto": on where measured
+    assert lm.config.weight_blocks == ck.blocks_vectorized()  # "auto": on where measured
     if not lm.config.weight_blocks:
         lm = gguf_loader.load_gguf(weight_blocks=True)[0]
     reader = gguf_loader.open_gguf(real_path)

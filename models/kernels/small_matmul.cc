@@ -46,12 +46,9 @@ namespace {
 
 using specjax_kernels::kLanes;
 using specjax_kernels::kParts;
-using specjax_kernels::load16;
 using specjax_kernels::loadv;
 using specjax_kernels::RunTasks;
-using specjax_kernels::store16;
 using specjax_kernels::storev;
-using specjax_kernels::v16;
 using specjax_kernels::vf;
 
 constexpr int kMaxRows = 6;            // x rows per register block of 64-column units
@@ -169,21 +166,29 @@ inline void MicroUpTo(int tm, const float* xt, int64_t xs, const W* w, int64_t r
 // per column (code: int8, row-major like a float weight; scale, offset: [K / kBlockRows, N])
 constexpr int64_t kBlockRows = 32;
 
-inline v16 Dequant(const int8_t* c, v16 s, v16 o) {
+// One vector (vf: 16 floats with AVX-512, 8 with AVX2) of weights rebuilt from kLanes int8
+// codes as fma(code, scale, offset), one rounding (the product is exact). The same value,
+// lane for lane, on every path: the AVX2 one (two per 16 columns) and the scalar fallback too.
+inline vf Dequant(const int8_t* c, vf s, vf o) {
+  vf r;
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
   __m512 sv, ov;
   std::memcpy(&sv, &s, sizeof(sv));
   std::memcpy(&ov, &o, sizeof(ov));
-  const __m512 w = _mm512_fmadd_ps(f, sv, ov);  // one rounding (the product is exact)
-  v16 r;
+  const __m512 w = _mm512_fmadd_ps(f, sv, ov);
   std::memcpy(&r, &w, sizeof(r));
-  return r;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+  __m256 sv, ov;
+  std::memcpy(&sv, &s, sizeof(sv));
+  std::memcpy(&ov, &o, sizeof(ov));
+  const __m256 w = _mm256_fmadd_ps(f, sv, ov);
+  std::memcpy(&r, &w, sizeof(r));
 #else
-  v16 r;
-  for (int i = 0; i < 16; ++i) r[i] = __builtin_fmaf(static_cast<float>(c[i]), s[i], o[i]);
-  return r;
+  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(static_cast<float>(c[i]), s[i], o[i]);
 #endif
+  return r;
 }
 
 // Q4 codes (0..15) packed two per byte (C = uint8_t): byte j of each 32-column group holds
@@ -194,38 +199,56 @@ constexpr int64_t kPerByte = std::is_same_v<C, uint8_t> ? 2 : 1;  // codes per b
 template <class W>
 constexpr bool kIsBlocks = std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>;
 
-inline void DequantPacked(const uint8_t* c, v16 s0, v16 o0, v16 s1, v16 o1, v16& w0, v16& w1) {
+// kLanes bytes of packed codes: w0 from their low nibbles (scale s0, offset o0), w1 from
+// their high ones (s1, o1), one rounding each
+inline void DequantPacked(const uint8_t* c, vf s0, vf o0, vf s1, vf o1, vf& w0, vf& w1) {
 #if defined(__AVX512F__)
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   __m512 a, b, c0, d0, c1, d1;
-  std::memcpy(&c0, &s0, 64);
-  std::memcpy(&d0, &o0, 64);
-  std::memcpy(&c1, &s1, 64);
-  std::memcpy(&d1, &o1, 64);
-  a = _mm512_fmadd_ps(lo, c0, d0);  // one rounding each (the products are exact)
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  __m256 a, b, c0, d0, c1, d1;
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  std::memcpy(&c0, &s0, sizeof(c0));
+  std::memcpy(&d0, &o0, sizeof(d0));
+  std::memcpy(&c1, &s1, sizeof(c1));
+  std::memcpy(&d1, &o1, sizeof(d1));
+#if defined(__AVX512F__)
+  a = _mm512_fmadd_ps(lo, c0, d0);
   b = _mm512_fmadd_ps(hi, c1, d1);
-  std::memcpy(&w0, &a, 64);
-  std::memcpy(&w1, &b, 64);
 #else
-  for (int i = 0; i < 16; ++i) {
+  a = _mm256_fmadd_ps(lo, c0, d0);
+  b = _mm256_fmadd_ps(hi, c1, d1);
+#endif
+  std::memcpy(&w0, &a, sizeof(w0));
+  std::memcpy(&w1, &b, sizeof(w1));
+#else
+  for (int i = 0; i < kLanes; ++i) {
     w0[i] = __builtin_fmaf(static_cast<float>(c[i] & 15), s0[i], o0[i]);
     w1[i] = __builtin_fmaf(static_cast<float>(c[i] >> 4), s1[i], o1[i]);
   }
 #endif
 }
 
-// the NV weight vectors of one code row (16 NV columns) rebuilt with their scales / offsets
+// the NV * kParts weight vectors of one code row (16 NV columns) rebuilt with their scales /
+// offsets (vector q covers columns kLanes q .. kLanes q + kLanes - 1)
 template <int NV>
-inline void DequantRow(const int8_t* wr, const v16* s, const v16* o, v16* wv) {
-  for (int j = 0; j < NV; ++j) wv[j] = Dequant(wr + 16 * j, s[j], o[j]);
+inline void DequantRow(const int8_t* wr, const vf* s, const vf* o, vf* wv) {
+  for (int q = 0; q < NV * kParts; ++q) wv[q] = Dequant(wr + kLanes * q, s[q], o[q]);
 }
 template <int NV>
-inline void DequantRow(const uint8_t* wr, const v16* s, const v16* o, v16* wv) {
+inline void DequantRow(const uint8_t* wr, const vf* s, const vf* o, vf* wv) {
   static_assert(NV % 2 == 0, "packed codes come in 32-column groups");
   for (int h = 0; h < NV / 2; ++h)
-    DequantPacked(wr + 16 * h, s[2 * h], o[2 * h], s[2 * h + 1], o[2 * h + 1], wv[2 * h], wv[2 * h + 1]);
+    for (int q = 0; q < kParts; ++q) {  // columns 32h + kLanes q.. (low nibbles) and 32h + 16 + kLanes q..
+      const int lo = 2 * h * kParts + q, hi = (2 * h + 1) * kParts + q;
+      DequantPacked(wr + 16 * h + kLanes * q, s[lo], o[lo], s[hi], o[hi], wv[lo], wv[hi]);
+    }
 }
 
 // Micro with w[r, :] = fma(code[r, :], scale[b, :], offset[b, :]), b = (row0 + r) / kBlockRows
@@ -236,17 +259,38 @@ template <int TM, int NV, class C>
 inline void MicroBlock(const float* __restrict xt, int64_t xs, const C* __restrict w,
                        const float* __restrict sc, const float* __restrict of, int64_t row0, int64_t rows,
                        int64_t n, float* __restrict p, bool first) {
-  v16 acc[TM][NV];
+#if !defined(__AVX512F__)
+  // AVX2 (16 registers of 8 floats): split as Micro does, by columns down to one 16-column
+  // block (packed codes: one 32-column group) while the accumulators, the weights and their
+  // scales and offsets would not fit, then by rows while the accumulators and the weights
+  // would not; each part rebuilds its own weights, with the same values, and every element
+  // gets the same FMAs in the same order.
+  constexpr int kMinNV = kPerByte<C> == 2 ? 2 : 1;
+  if constexpr (NV > kMinNV && 2 * NV * (TM + 3) > 14) {
+    constexpr int H = NV / 2;
+    MicroBlock<TM, H, C>(xt, xs, w, sc, of, row0, rows, n, p, first);
+    MicroBlock<TM, H, C>(xt, xs, w + 16 * H / kPerByte<C>, sc + 16 * H, of + 16 * H, row0, rows, n, p + 16 * H,
+                         first);
+    return;
+  } else if constexpr (NV == kMinNV && 2 * NV * (TM + 1) > 14 && TM > 1) {
+    constexpr int R = 7 / NV - 1 > 0 ? 7 / NV - 1 : 1;  // rows that fit: 6 (16 columns), 2 (32)
+    MicroBlock<R, NV, C>(xt, xs, w, sc, of, row0, rows, n, p, first);
+    MicroBlock<TM - R, NV, C>(xt + R, xs, w, sc, of, row0, rows, n, p + R * n, first);
+    return;
+  }
+#endif
+  constexpr int NW = NV * kParts;  // vectors per row of the block
+  vf acc[TM][NW];
   for (int t = 0; t < TM; ++t)
-    for (int j = 0; j < NV; ++j) acc[t][j] = first ? v16{} : load16(p + t * n + 16 * j);
-  v16 s[NV], o[NV];
+    for (int j = 0; j < NW; ++j) acc[t][j] = first ? vf{} : loadv(p + t * n + kLanes * j);
+  vf s[NW], o[NW];
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t ra = row0 + r;
     if (r == 0 || ra % kBlockRows == 0) {
       const int64_t b = ra / kBlockRows;
-      for (int j = 0; j < NV; ++j) {
-        s[j] = load16(sc + b * n + 16 * j);
-        o[j] = load16(of + b * n + 16 * j);
+      for (int j = 0; j < NW; ++j) {
+        s[j] = loadv(sc + b * n + kLanes * j);
+        o[j] = loadv(of + b * n + kLanes * j);
       }
     }
     const C* wr = w + r * (n / kPerByte<C>);
@@ -256,15 +300,15 @@ inline void MicroBlock(const float* __restrict xt, int64_t xs, const C* __restri
       __builtin_prefetch(wr + kPrefetchRows * n, 0, 1);
     else
       __builtin_prefetch(wr + kPrefetchBytesBlocks, 0, 1);  // this row, units ahead
-    v16 wv[NV];
+    vf wv[NW];
     DequantRow<NV>(wr, s, o, wv);
     for (int t = 0; t < TM; ++t) {
       const float b = xt[r * xs + t];
-      for (int j = 0; j < NV; ++j) acc[t][j] += b * wv[j];
+      for (int j = 0; j < NW; ++j) acc[t][j] += b * wv[j];
     }
   }
   for (int t = 0; t < TM; ++t)
-    for (int j = 0; j < NV; ++j) store16(p + t * n + 16 * j, acc[t][j]);
+    for (int j = 0; j < NW; ++j) storev(p + t * n + kLanes * j, acc[t][j]);
 }
 
 template <int NV, int TM, class C>
@@ -283,21 +327,22 @@ inline void MicroBlockUpTo(int tm, const float* xt, int64_t xs, const C* w, cons
 template <class C>
 inline void DequantUnit(const C* __restrict w, const float* __restrict sc, const float* __restrict of,
                         int64_t row0, int64_t rows, int64_t n, float* __restrict out, int64_t pf = 64) {
-  v16 s[4], o[4];
+  constexpr int NW = 4 * kParts;
+  vf s[NW], o[NW];
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t ra = row0 + r;
     if (r == 0 || ra % kBlockRows == 0) {
       const int64_t b = ra / kBlockRows;
-      for (int j = 0; j < 4; ++j) {
-        s[j] = load16(sc + b * n + 16 * j);
-        o[j] = load16(of + b * n + 16 * j);
+      for (int j = 0; j < NW; ++j) {
+        s[j] = loadv(sc + b * n + kLanes * j);
+        o[j] = loadv(of + b * n + kLanes * j);
       }
     }
     const C* wr = w + r * (n / kPerByte<C>);
     __builtin_prefetch(wr + pf, 0, 1);
-    v16 wv[4];
+    vf wv[NW];
     DequantRow<4>(wr, s, o, wv);
-    for (int j = 0; j < 4; ++j) store16(out + r * 64 + 16 * j, wv[j]);
+    for (int j = 0; j < NW; ++j) storev(out + r * 64 + kLanes * j, wv[j]);
   }
 }
 
