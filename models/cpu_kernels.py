@@ -136,11 +136,6 @@ def _has_f16c() -> bool:
     return "f16c" in flags or "avx512f" in flags
 
 
-def has_avx512() -> bool:
-    """Whether the CPU has AVX-512F (the kernels' 16-float registers)."""
-    return "avx512f" in _cpu_flags().split()
-
-
 def blocks_vectorized() -> bool:
     """Whether the GGUF block kernel rebuilds its weights in vector registers here: with
     AVX-512F (16 at a time: a conversion and an fma) or AVX2 and FMA (8 at a time). Where it

@@ -166,24 +166,44 @@ inline void MicroUpTo(int tm, const float* xt, int64_t xs, const W* w, int64_t r
 // per column (code: int8, row-major like a float weight; scale, offset: [K / kBlockRows, N])
 constexpr int64_t kBlockRows = 32;
 
-// One vector (vf: 16 floats with AVX-512, 8 with AVX2) of weights rebuilt from kLanes int8
-// codes as fma(code, scale, offset), one rounding (the product is exact). The same value,
-// lane for lane, on every path: the AVX2 one (two per 16 columns) and the scalar fallback too.
+// GGUF weights are rebuilt as fma(code, scale, offset) with one rounding (the product is
+// exact), kLanes at a time (vf: 16 floats with AVX-512, 8 with AVX2 and FMA), else one by
+// one: the same value, lane for lane, on every path.
+#if defined(__AVX512F__)
+using NativeF = __m512;
+inline NativeF Widen(const int8_t* c) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+}
+inline void WidenNibbles(const uint8_t* c, NativeF& lo, NativeF& hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+inline NativeF Fma(NativeF a, NativeF b, NativeF c) { return _mm512_fmadd_ps(a, b, c); }
+#define SPECJAX_VECTOR_REBUILD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using NativeF = __m256;
+inline NativeF Widen(const int8_t* c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+inline void WidenNibbles(const uint8_t* c, NativeF& lo, NativeF& hi) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+inline NativeF Fma(NativeF a, NativeF b, NativeF c) { return _mm256_fmadd_ps(a, b, c); }
+#define SPECJAX_VECTOR_REBUILD 1
+#endif
+
+// fma(code, s, o) for the kLanes int8 codes at c
 inline vf Dequant(const int8_t* c, vf s, vf o) {
   vf r;
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-  __m512 sv, ov;
+#if defined(SPECJAX_VECTOR_REBUILD)
+  static_assert(sizeof(NativeF) == sizeof(vf));
+  NativeF sv, ov;
   std::memcpy(&sv, &s, sizeof(sv));
   std::memcpy(&ov, &o, sizeof(ov));
-  const __m512 w = _mm512_fmadd_ps(f, sv, ov);
-  std::memcpy(&r, &w, sizeof(r));
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-  __m256 sv, ov;
-  std::memcpy(&sv, &s, sizeof(sv));
-  std::memcpy(&ov, &o, sizeof(ov));
-  const __m256 w = _mm256_fmadd_ps(f, sv, ov);
+  const NativeF w = Fma(Widen(c), sv, ov);
   std::memcpy(&r, &w, sizeof(r));
 #else
   for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(static_cast<float>(c[i]), s[i], o[i]);
@@ -200,31 +220,16 @@ template <class W>
 constexpr bool kIsBlocks = std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>;
 
 // kLanes bytes of packed codes: w0 from their low nibbles (scale s0, offset o0), w1 from
-// their high ones (s1, o1), one rounding each
+// their high ones (s1, o1)
 inline void DequantPacked(const uint8_t* c, vf s0, vf o0, vf s1, vf o1, vf& w0, vf& w1) {
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-  __m512 a, b, c0, d0, c1, d1;
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-  __m256 a, b, c0, d0, c1, d1;
-#endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(SPECJAX_VECTOR_REBUILD)
+  NativeF lo, hi, c0, d0, c1, d1;
+  WidenNibbles(c, lo, hi);
   std::memcpy(&c0, &s0, sizeof(c0));
   std::memcpy(&d0, &o0, sizeof(d0));
   std::memcpy(&c1, &s1, sizeof(c1));
   std::memcpy(&d1, &o1, sizeof(d1));
-#if defined(__AVX512F__)
-  a = _mm512_fmadd_ps(lo, c0, d0);
-  b = _mm512_fmadd_ps(hi, c1, d1);
-#else
-  a = _mm256_fmadd_ps(lo, c0, d0);
-  b = _mm256_fmadd_ps(hi, c1, d1);
-#endif
+  const NativeF a = Fma(lo, c0, d0), b = Fma(hi, c1, d1);
   std::memcpy(&w0, &a, sizeof(w0));
   std::memcpy(&w1, &b, sizeof(w1));
 #else
@@ -272,8 +277,8 @@ inline void MicroBlock(const float* __restrict xt, int64_t xs, const C* __restri
     MicroBlock<TM, H, C>(xt, xs, w + 16 * H / kPerByte<C>, sc + 16 * H, of + 16 * H, row0, rows, n, p + 16 * H,
                          first);
     return;
-  } else if constexpr (NV == kMinNV && 2 * NV * (TM + 1) > 14 && TM > 1) {
-    constexpr int R = 7 / NV - 1 > 0 ? 7 / NV - 1 : 1;  // rows that fit: 6 (16 columns), 2 (32)
+  } else if constexpr (NV == kMinNV && 2 * NV * (TM + 1) > 14) {
+    constexpr int R = 7 / NV - 1;  // rows that fit: 6 (16 columns), 2 (32)
     MicroBlock<R, NV, C>(xt, xs, w, sc, of, row0, rows, n, p, first);
     MicroBlock<TM - R, NV, C>(xt + R, xs, w, sc, of, row0, rows, n, p + R * n, first);
     return;
