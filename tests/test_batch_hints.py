@@ -104,7 +104,7 @@ SUBSETS = {"token": CONFIGS, "autoregressive": CONFIGS, "tree": ("greedy", "topk
 RUN = dict(seed=3, max_new_tokens=12, stop_tokens=[0])
 
 
-@pytest.mark.parametrize("kind", list(SUBSETS))
+@pytest.mark.parametrize("kind", [k if k == "token" else pytest.param(k, marks=pytest.mark.extended) for k in SUBSETS])
 def test_same_outputs_with_and_without_hints(engines, kind):
     off, on = engines(kind, False), engines(kind, True)
     for name in SUBSETS[kind]:
@@ -123,22 +123,23 @@ def _conditionals(eng, cfg, run=RUN):
     return len(re.findall(r"\bconditional\(", txt))
 
 
-def test_hints_take_the_decided_conds_out_of_the_programs(engines):
+@pytest.mark.parametrize("kind", ["token", pytest.param("autoregressive", marks=pytest.mark.extended),
+                                  pytest.param("auto", marks=pytest.mark.extended)])
+def test_hints_take_the_decided_conds_out_of_the_programs(engines, kind):
     # uniform settings (V = 8: the top-k / top-p slow path, data-dependent, is not compiled):
     # no conditional left in a chain or autoregressive program; mixed rows keep those that
     # depend on which rows are greedy; adaptive K keeps its branch chain (counted with
     # "topk1", no row greedy, every row a point mass: the program the test above ran)
-    for kind in ("autoregressive", "token", "auto"):
-        off, on = engines(kind, False), engines(kind, True)
-        names = ("topk1", "mixed") if kind == "auto" else ("greedy", "t1", "filters", "mixed")
-        n_off = _conditionals(off, CONFIGS["mixed"])  # without hints one program serves every setting
-        n_on = {c: _conditionals(on, CONFIGS[c]) for c in names}
-        assert n_off >= 4, (kind, n_off)
-        if kind == "auto":
-            assert n_on["topk1"] == on.k + 1, n_on  # the chain of K + 1 branches
-        else:
-            assert all(n_on[c] == 0 for c in names[:-1]), (kind, n_on)
-        assert 0 < n_on["mixed"] - n_on[names[0]] < n_off, (kind, n_on, n_off)
+    off, on = engines(kind, False), engines(kind, True)
+    names = ("topk1", "mixed") if kind == "auto" else ("greedy", "t1", "filters", "mixed")
+    n_off = _conditionals(off, CONFIGS["mixed"])  # without hints one program serves every setting
+    n_on = {c: _conditionals(on, CONFIGS[c]) for c in names}
+    assert n_off >= 4, (kind, n_off)
+    if kind == "auto":
+        assert n_on["topk1"] == on.k + 1, n_on  # the chain of K + 1 branches
+    else:
+        assert all(n_on[c] == 0 for c in names[:-1]), (kind, n_on)
+    assert 0 < n_on["mixed"] - n_on[names[0]] < n_off, (kind, n_on, n_off)
 
 
 def test_dataset_hints_come_from_the_whole_dataset(engines):
@@ -157,7 +158,9 @@ def test_dataset_hints_come_from_the_whole_dataset(engines):
     assert a.tokens == b.tokens
 
 
-def test_sync_free_settles_mixed_rows_without_conditionals(engines, target, draft, monkeypatch):
+@pytest.mark.parametrize("kind", ["token", pytest.param("autoregressive", marks=pytest.mark.extended),
+                                  pytest.param("tree", marks=pytest.mark.extended)])
+def test_sync_free_settles_mixed_rows_without_conditionals(engines, target, draft, monkeypatch, kind):
     """Mixed greedy and sampled rows leave the greedy-dependent conds undecided by the hints;
     sync-free (``SPECJAX_SYNC_FREE=1``, the GPU form) takes the branch that is exact for every
     row instead (``sampling.settled``): the same tokens and statistics as the conds give,
@@ -168,7 +171,7 @@ def test_sync_free_settles_mixed_rows_without_conditionals(engines, target, draf
 
     cfg = CONFIGS["mixed"]
     run = dict(RUN, seed=5)
-    kinds = ("autoregressive", "token", "tree")
+    kinds = (kind,)
     outs, conds = {}, {}
     monkeypatch.delenv("SPECJAX_SYNC_FREE", raising=False)
     assert not sampling.sync_free()  # the form the module's engines were traced with

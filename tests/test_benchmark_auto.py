@@ -1,7 +1,8 @@
 """The benchmark's k=auto rows and its dataset workload (issue 15): one run of
 scripts/benchmark.py on the tiny random model, and the K grid's parsing. Its own file, so
 that pytest-xdist can run it beside test_benchmark_quick.py (k=auto measures its round
-costs first)."""
+costs first). The run (~3 minutes on 2 cores) is in the extended tier (``--extended``): k=auto's
+engine is tested in test_adaptive.py, the benchmark's grid by test_benchmark_quick.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -50,6 +51,7 @@ def auto_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_benchmark_times_k_auto(auto_run):
     res, out = auto_run
     spec = {r["k"]: r for r in res["speculative"]}
@@ -103,6 +105,7 @@ def test_benchmark_refuses_a_bad_grid_in_one_line(argv, msg, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_benchmark_dataset_workload(auto_run):
     """A config's ``dataset`` block runs the dataset workload after the grid: fixed batches
     and continuous batching by the same engines, with the same tokens (autoregressive and

@@ -105,6 +105,7 @@ def test_bench_configs_load(tmp_path):
         load_bench_config(str(off))
 
 
+@pytest.mark.extended
 def test_profile_round_tiny(tmp_path):
     """scripts/profile_round.py splits the traced operations into loop-body and per-call
     ones: the loop runs once per round (speculative) or per token (autoregressive)."""
@@ -133,6 +134,7 @@ def test_profile_round_tiny(tmp_path):
     assert "heaviest single operations" in res.stdout
 
 
+@pytest.mark.extended
 def test_bench_step_roofline_on_a_random_preset(capsys):
     """scripts/bench_step.py on a preset with random weights: every time also as GB/s, the
     engine's step, and the decode loop's temporaries against one layer's weights."""

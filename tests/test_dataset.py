@@ -34,7 +34,7 @@ def _dataset(n=11, seed=0):
     return prompts, rng.integers(1, 30, n)
 
 
-@pytest.mark.parametrize("which", ["speculative", "autoregressive"])
+@pytest.mark.parametrize("which", ["speculative", pytest.param("autoregressive", marks=pytest.mark.extended)])
 def test_rows_equal_one_row_runs(engines, which):
     eng = engines[which]
     prompts, max_new = _dataset()
@@ -80,7 +80,7 @@ def test_insert_width():
     assert engine.insert_width(300, 1024, 256) == 1024 and engine.insert_width(40, 32, 512) == 32
 
 
-@pytest.mark.parametrize("which", ["speculative", "autoregressive"])
+@pytest.mark.parametrize("which", ["speculative", pytest.param("autoregressive", marks=pytest.mark.extended)])
 def test_inserts_prefill_at_their_own_width(models, which):
     """A dataset whose prompt bucket is 64 (one prompt of 60 tokens) and whose inserted
     prompts have 20-47 tokens: they are prefilled in buffers of 32 and 48 tokens (two

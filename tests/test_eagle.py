@@ -35,7 +35,7 @@ def _head(tgt, seed=1, **kw):
 EAGLE3 = (1, 0, 2)
 
 
-@pytest.mark.parametrize("feature_layers", [(), (1, 0)], ids=["eagle", "eagle3"])
+@pytest.mark.parametrize("feature_layers", [(), pytest.param((1, 0), marks=pytest.mark.extended)], ids=["eagle", "eagle3"])
 def test_unrolled_matches_the_cached_chain(feature_layers):
     """Step j of the training pass at position p == the proposer's chain rooted at p-j+1
     (target features at the root, fused for EAGLE-3; the head's own outputs after it)."""
@@ -58,8 +58,8 @@ def test_unrolled_matches_the_cached_chain(feature_layers):
 
 # (4, "greedy", 0), 3 prompts of 40 tokens: the program of tests/test_tree_engine.py's EAGLE-1
 # chain (its greedy top-1 tree test), compiled once for the suite; keep the two in step
-@pytest.mark.parametrize("k, method, subset", [(1, "greedy", 0), (4, "greedy", 0), (3, "token", 48),
-                                               (5, "block", 0)])
+@pytest.mark.parametrize("k, method, subset", [pytest.param(1, "greedy", 0, marks=pytest.mark.extended), (4, "greedy", 0),
+                                               (3, "token", 48), pytest.param(5, "block", 0, marks=pytest.mark.extended)])
 def test_eagle_greedy_equals_autoregressive(k, method, subset):
     tgt = LlamaLM.init(tiny_config(vocab_size=64, n_layers=2, dim=32), seed=5)
     em = _head(tgt, vocab_subset=subset)
@@ -191,7 +191,8 @@ def test_a_missing_shipped_draft_falls_back_to_prompt_lookup(monkeypatch):
         assert files.default_draft_for(tgt) == "lookup"
 
 
-@pytest.mark.parametrize("kernels, layers", [("kernel", ()), ("xla", ()), ("kernel", (1, 0)), ("xla", (1, 0))],
+@pytest.mark.parametrize("kernels, layers", [("kernel", ()), pytest.param("xla", (), marks=pytest.mark.extended),
+                                             pytest.param("kernel", (1, 0), marks=pytest.mark.extended), pytest.param("xla", (1, 0), marks=pytest.mark.extended)],
                          ids=["kernel", "xla", "kernel-eagle3", "xla-eagle3"])
 def test_tree_call_node_equals_its_path_alone(kernels, layers, monkeypatch):
     """EagleHead.tree_call (the attention kernel with a tree mask, or XLA's): each node's

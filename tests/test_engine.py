@@ -285,7 +285,8 @@ def greedy_case():
     return tgt, dft, ar
 
 
-@pytest.mark.parametrize("k, method", [(1, "greedy"), (4, "greedy"), (3, "token"), (5, "block")])
+@pytest.mark.parametrize("k, method", [pytest.param(1, "greedy", marks=pytest.mark.extended), (4, "greedy"), (3, "token"),
+                                       pytest.param(5, "block", marks=pytest.mark.extended)])
 def test_speculative_greedy_equals_autoregressive_greedy(greedy_case, k, method):
     tgt, dft, ar = greedy_case
     cfg = sampling.SamplingConfig(temperature=0.0)

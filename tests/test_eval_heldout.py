@@ -24,7 +24,7 @@ def files(tmp_path_factory):
     return None, str(ho), str(d / "cache")
 
 
-@pytest.mark.parametrize("layers", [None, [0, 2, 1]], ids=["eagle", "eagle3"])
+@pytest.mark.parametrize("layers", [None, pytest.param([0, 2, 1], marks=pytest.mark.extended)], ids=["eagle", "eagle3"])
 def test_draft_file_scores_what_training_evaluation_scores(files, tmp_path, layers):
     from scripts.eval_heldout import heldout_eval, table
 

@@ -262,7 +262,7 @@ def test_asynchronous_starts_and_unfused_slices_count_their_data_once():
     assert t.bytes == 2 * (2048 * 2048 * 2 + 4) + 2 * 8192 * 2048 * 2 + 4 + 2 * (2 * 2048 * 2 + 8)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.extended), 1.0])
 def test_programs_traced_for_a_gpu_sync_once_per_round(target, draft, monkeypatch, temperature):
     """The programs as a GPU backend gets them (traced with ``jax.default_backend()`` reading
     "gpu", compiled here): per iteration of the decode loop, one host sync (the loop's own

@@ -90,12 +90,13 @@ def test_bad_configs_fail_before_work(prompt_files, tmp_path):
 
 
 @pytest.mark.parametrize("draft, losses", [
-    (dict(kind="independent", config=dict(TINY, n_layers=1, dim=16, head_dim=4, ffn_dim=32)), {"fkl": 1.0}),
+    pytest.param(dict(kind="independent", config=dict(TINY, n_layers=1, dim=16, head_dim=4, ffn_dim=32)), {"fkl": 1.0},
+                 marks=pytest.mark.extended),
     (dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="random_fc"), {"fkl": 1.0, "tv": 0.5, "hidden": 0.1}),
     # EAGLE-3: the embeddings, after layer 1, after the final norm; the target's last layer as
     # the start (its feature half)
-    (dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="target_last",
-          feature_layers=[0, 1, 2]), {"fkl": 1.0}),
+    pytest.param(dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="target_last",
+                      feature_layers=[0, 1, 2]), {"fkl": 1.0}, marks=pytest.mark.extended),
 ], ids=["independent", "eagle", "eagle3"])
 def test_loss_goes_down_and_alpha_goes_up(prompt_files, tmp_path, target, draft, losses):
     out = tmp_path / draft["kind"]
@@ -134,7 +135,7 @@ def test_shipped_training_configs_load():
 
 
 @pytest.mark.parametrize("draft", [
-    dict(kind="target_init", n_layers=1, freeze_embed=True),
+    pytest.param(dict(kind="target_init", n_layers=1, freeze_embed=True), marks=pytest.mark.extended),
     # EAGLE-3 with training-time test over 2 positions: its optimizer, data order and the
     # unrolled steps' keys all come back from the checkpoint
     dict(kind="eagle", n_layers=1, config=dict(ffn_dim=64), vocab_subset=48, init="target_last",

@@ -151,7 +151,8 @@ needs_kernels = pytest.mark.skipif(ck.compiler() is None, reason="no C++ compile
 # above the kernel's multi-threading threshold with few (b, kv head) pairs (rows split
 # into parts)
 @needs_kernels
-@pytest.mark.parametrize("B,T,Nkv,G,H,W,S", [(2, 5, 2, 3, 16, 9, 40), (3, 7, 1, 4, 8, 7, 30),
+@pytest.mark.parametrize("B,T,Nkv,G,H,W,S", [pytest.param(2, 5, 2, 3, 16, 9, 40, marks=pytest.mark.extended),
+                                             pytest.param(3, 7, 1, 4, 8, 7, 30, marks=pytest.mark.extended),
                                              (1, 17, 3, 3, 64, 17, 300)])
 def test_tree_attention_kernel_matches_xla(B, T, Nkv, G, H, W, S):
     """The kernel's tree masks (random masks over a region, ragged lengths, one row whose
@@ -212,7 +213,7 @@ def test_tree_attention_kernel_row_that_sees_nothing_is_zero():
 
 
 @needs_kernels
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["unrolled", "scanned"])
 def test_tree_forward_with_kernels_equals_xla(scan):
     """``LlamaLM.apply(..., tree=)`` with the CPU kernels (the tree attention kernel in every
     layer, unrolled or scanned, a sliding and a full layer, GQA, softcap) gives the logits

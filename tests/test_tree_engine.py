@@ -176,7 +176,7 @@ def eagle_pair():
 EAGLE_K, EAGLE_NEW = 4, 40
 
 
-@pytest.mark.parametrize("layers", [(), (1, 2, 0)], ids=["eagle", "eagle3"])
+@pytest.mark.parametrize("layers", [(), pytest.param((1, 2, 0), marks=pytest.mark.extended)], ids=["eagle", "eagle3"])
 def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain(eagle_pair, layers):
     """A top-1 EAGLE tree is the head's greedy chain: the same rounds as the chain proposer
     (the head continues from the target's features along the accepted path; ``eagle3``: the
@@ -204,6 +204,7 @@ def test_eagle_tree_greedy_and_top1_tree_continues_like_the_chain(eagle_pair, la
     assert sum(s.accepted for s in out.stats) > 0
 
 
+@pytest.mark.extended
 def test_sampled_tree_dataset_rows_equal_one_row_runs(eagle_pair):
     """Continuous batching with a sampled EAGLE tree (T=1, ragged lengths, a stop token):
     every prompt's tokens are those of its one-row run with the same dataset index."""
@@ -221,6 +222,7 @@ def test_sampled_tree_dataset_rows_equal_one_row_runs(eagle_pair):
         assert one.tokens[0] == out.tokens[i], f"prompt {i}"
 
 
+@pytest.mark.extended
 def test_sync_free_descent_gives_the_same_generations(eagle_pair, monkeypatch):
     """The default sampled EAGLE tree (2x1x1) at T=1: the descent as a loop of the
     proposer's ``max_tries`` steps (4 of its 6 nodes; the GPU form,
