@@ -749,7 +749,8 @@ def resolve_compiler_options(compiler_options=None) -> dict:
     float / str values, part of every program the engine compiles and of its cost tables'
     key. (``scripts/bench_compiler_options.py`` times a set against XLA's defaults: on a CPU
     ``{"xla_cpu_use_fusion_emitters": False}`` compiles ~25% faster but samples 5-10%
-    slower at T=1, BENCHMARKS.md.)"""
+    slower at T=1; ``{"xla_backend_optimization_level": 1}`` compiles 5-12% faster and
+    decodes ~1% slower: BENCHMARKS.md.)"""
     if compiler_options is None:
         return {}
     if not isinstance(compiler_options, dict) or not all(
