@@ -164,34 +164,26 @@ def test_sync_free_settles_mixed_rows_without_conditionals(engines, target, draf
     """Mixed greedy and sampled rows leave the greedy-dependent conds undecided by the hints;
     sync-free (``SPECJAX_SYNC_FREE=1``, the GPU form) takes the branch that is exact for every
     row instead (``sampling.settled``): the same tokens and statistics as the conds give,
-    and no conditional left in the autoregressive, the chain's or the sampled tree's program.
+    and no conditional left in the program (autoregressive, the chain's, the sampled tree's).
     The conditional form's runs are those of the module's engines (the CPU's default form,
     which they were traced with: test_same_outputs_with_and_without_hints compiled them)."""
     import jax
 
     cfg = CONFIGS["mixed"]
     run = dict(RUN, seed=5)
-    kinds = (kind,)
-    outs, conds = {}, {}
     monkeypatch.delenv("SPECJAX_SYNC_FREE", raising=False)
     assert not sampling.sync_free()  # the form the module's engines were traced with
-    for kind in kinds:
-        eng = engines(kind, True)
-        outs[kind, "0"] = eng.generate(PROMPTS, sampling_params=cfg, **run)
-        conds[kind, "0"] = _conditionals(eng, cfg, run)
+    eng = engines(kind, True)
+    a, conds = eng.generate(PROMPTS, sampling_params=cfg, **run), _conditionals(eng, cfg, run)
     monkeypatch.setenv("SPECJAX_SYNC_FREE", "1")
     jax.clear_caches()  # the form is read when a program is traced
-    for kind in kinds:
-        eng = _engines(kind, target, draft, True)  # new engines: their programs traced sync-free
-        outs[kind, "1"] = eng.generate(PROMPTS, sampling_params=cfg, **run)
-        conds[kind, "1"] = _conditionals(eng, cfg, run)
+    eng = _engines(kind, target, draft, True)  # a new engine: its programs traced sync-free
+    b, conds_free = eng.generate(PROMPTS, sampling_params=cfg, **run), _conditionals(eng, cfg, run)
     jax.clear_caches()
-    for kind in kinds:
-        a, b = outs[kind, "0"], outs[kind, "1"]
-        assert a.tokens == b.tokens, kind
-        for key in a.raw.keys() - {"proposer_state"}:
-            np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
-        assert conds[kind, "1"] == 0 < conds[kind, "0"], (kind, conds)
+    assert a.tokens == b.tokens, kind
+    for key in a.raw.keys() - {"proposer_state"}:
+        np.testing.assert_array_equal(np.asarray(a.raw[key]), np.asarray(b.raw[key]), err_msg=f"{kind}: {key}")
+    assert conds_free == 0 < conds, (kind, conds, conds_free)
 
 
 def test_fixed_cut_gives_the_same_outputs_and_leaves_no_conditional(monkeypatch):
