@@ -4,11 +4,13 @@ in subprocesses: ``tests/sharding_worker.py`` and ``scripts/dry_run.py``).
 The multi-device subprocesses start together (module fixture) and run concurrently:
 worker A = single-device references + mesh 2x4, worker B = mesh 1x8 (only with
 ``--extended``: the extended tier), plus the dry run of a small pod config. (Pure data parallelism, 8x1, was dropped for CI time: 2x4 pads rows
-to its data axis too, and the dry run shards rows over data.) They use ``--xla_backend_optimization_level=0`` (compile
-time); the single-device reference and the sharded runs compile with the same flags. So these
-runs check that sharding changes nothing at equal flags, not the values themselves (the other
-files, at XLA's default level, do): XLA's CPU backend at level 0 can miscompute (a fused
-penalty + filter + log-normalization of 8 logits gave NaN there and the right values at 1 and 2:
+to its data axis too, and the dry run shards rows over data.) They use
+``--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false`` (compile time:
+worker A 134 -> 80 s of CPU, the same tokens as at XLA's defaults); the single-device
+reference and the sharded runs compile with the same flags. So these runs check that sharding
+changes nothing at equal flags, not the values themselves (the other files do, at the test
+run's flags, tests/conftest.py): XLA's CPU backend at level 0 can miscompute (a fused penalty +
+filter + log-normalization of 8 logits gave NaN there and the right values at 1 and 2:
 docs/xla_cpu_o0.md).
 """
 from __future__ import annotations
@@ -117,7 +119,7 @@ def test_distributed_helpers_are_noops_on_one_host(monkeypatch, capsys):
 def _env():
     env = dict(os.environ)
     env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                        "--xla_backend_optimization_level=0")
+                        "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env

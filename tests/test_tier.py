@@ -30,3 +30,58 @@ def test_the_default_run_skips_the_extended_tier_and_says_so():
     assert "1 skipped" in plain.stdout and "extended tier: python -m pytest --extended runs it" in plain.stdout
     for run in (_run(env, "--extended"), _run(dict(env, SPECJAX_EXTENDED="1"))):
         assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+# ------------------------------------------------------------------ the test run's XLA options
+
+
+def test_this_run_compiles_with_its_xla_flags(request):
+    """This process's XLA_FLAGS hold TEST_XLA_FLAGS, or none of them with --xla-defaults; with
+    SPECJAX_TIER_PROBE set (the runs below), also written there."""
+    from tests.conftest import TEST_XLA_FLAGS, xla_defaults
+
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    names = {w.split("=", 1)[0] for w in flags}
+    if xla_defaults(request.config):
+        assert not set(flags) & set(TEST_XLA_FLAGS), flags
+    else:
+        assert all(f.split("=", 1)[0] in names for f in TEST_XLA_FLAGS), flags
+    if os.environ.get("SPECJAX_TIER_PROBE"):
+        with open(os.environ["SPECJAX_TIER_PROBE"], "w") as f:
+            f.write(os.environ.get("XLA_FLAGS", ""))
+
+
+def test_xla_flags_are_added_kept_or_removed():
+    from tests.conftest import TEST_XLA_FLAGS, run_xla_flags
+
+    assert run_xla_flags("", False) == " ".join(TEST_XLA_FLAGS)
+    # an option already named keeps its value; others are kept as they are
+    mine = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=2"
+    assert run_xla_flags(mine, False) == mine + " --xla_cpu_use_fusion_emitters=false"
+    assert run_xla_flags(mine, True) == mine
+    assert run_xla_flags(run_xla_flags(mine, False), False) == run_xla_flags(mine, False)
+    assert run_xla_flags(" ".join(TEST_XLA_FLAGS), True) == ""
+
+
+def test_the_workers_and_subprocesses_get_the_runs_xla_flags(tmp_path):
+    """A pytest run with one xdist worker: the worker's XLA_FLAGS are the run's (set by the
+    controller before it starts the worker); --xla-defaults and SPECJAX_XLA_DEFAULTS=1 take
+    them out, even when inherited."""
+    from tests.conftest import TEST_XLA_FLAGS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "SPECJAX_XLA_DEFAULTS")}
+    probe = tmp_path / "flags"
+
+    def flags(env, *args):
+        probe.unlink(missing_ok=True)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
+                              "tests/test_tier.py::test_this_run_compiles_with_its_xla_flags"],
+                             cwd=ROOT, env=dict(env, SPECJAX_TIER_PROBE=str(probe)),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+        return probe.read_text().split()
+
+    assert flags(env, "-n", "1") == list(TEST_XLA_FLAGS)
+    assert flags(env, "-n", "0", "--xla-defaults") == []
+    inherited = dict(env, XLA_FLAGS=" ".join(TEST_XLA_FLAGS))
+    assert flags(dict(inherited, SPECJAX_XLA_DEFAULTS="1"), "-n", "0") == []
