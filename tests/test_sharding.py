@@ -6,7 +6,7 @@ worker A = single-device references + mesh 2x4, worker B = mesh 1x8 (only with
 ``--extended``: the extended tier), plus the dry run of a small pod config. (Pure data parallelism, 8x1, was dropped for CI time: 2x4 pads rows
 to its data axis too, and the dry run shards rows over data.) They use
 ``--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false`` (compile time:
-worker A 134 -> 80 s of CPU, the same tokens as at XLA's defaults); the single-device
+worker A 134 -> 80 s of CPU, the same tokens as at level 0 alone and at level 1); the single-device
 reference and the sharded runs compile with the same flags. So these runs check that sharding
 changes nothing at equal flags, not the values themselves (the other files do, at the test
 run's flags, tests/conftest.py): XLA's CPU backend at level 0 can miscompute (a fused penalty +

@@ -36,16 +36,13 @@ def test_the_default_run_skips_the_extended_tier_and_says_so():
 
 
 def test_this_run_compiles_with_its_xla_flags(request):
-    """This process's XLA_FLAGS hold TEST_XLA_FLAGS, or none of them with --xla-defaults; with
+    """This process's XLA_FLAGS are already what run_xla_flags makes of them: TEST_XLA_FLAGS
+    added (or an option of theirs named otherwise), or none of them with --xla-defaults; with
     SPECJAX_TIER_PROBE set (the runs below), also written there."""
-    from tests.conftest import TEST_XLA_FLAGS, xla_defaults
+    from tests.conftest import run_xla_flags, xla_defaults
 
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    names = {w.split("=", 1)[0] for w in flags}
-    if xla_defaults(request.config):
-        assert not set(flags) & set(TEST_XLA_FLAGS), flags
-    else:
-        assert all(f.split("=", 1)[0] in names for f in TEST_XLA_FLAGS), flags
+    flags = os.environ.get("XLA_FLAGS", "")
+    assert run_xla_flags(flags, xla_defaults(request.config)) == flags.strip(), flags
     if os.environ.get("SPECJAX_TIER_PROBE"):
         with open(os.environ["SPECJAX_TIER_PROBE"], "w") as f:
             f.write(os.environ.get("XLA_FLAGS", ""))
