@@ -53,6 +53,11 @@ using specjax_kernels::vf;
 
 constexpr int kMaxRows = 6;            // x rows per register block of 64-column units
 constexpr int kMaxRowsNarrow = 9;      // 32-column units for kMaxRows < M <= kMaxRowsNarrow (measured)
+#if defined(__AVX512F__)
+constexpr bool kNarrowGroups = true;   // (AVX2: see StreamRows)
+#else
+constexpr bool kNarrowGroups = false;
+#endif
 constexpr int64_t kTileRows = 8;       // weight rows per tile (one register group: memory-bound)
 // Several register groups (10+ rows: the FMAs outweigh the weight stream): 64-row tiles, so
 // a tile's 64-column unit (16 KB) is read from DRAM by the first group and from L1 by the
@@ -256,6 +261,61 @@ inline void DequantRow(const uint8_t* wr, const vf* s, const vf* o, vf* wv) {
     }
 }
 
+#if !defined(__AVX512F__) && defined(SPECJAX_VECTOR_REBUILD)
+// AVX2 and FMA (16 registers of 8 floats), packed Q4 codes, 2..6 rows (the register groups
+// there: see kNarrowGroups): the group computes one piece of 16 columns at a time over the
+// tile's rows, the two vectors of 8 bytes of codes (low nibbles: columns c.., high ones:
+// c + 16..), each rebuilt once per row and used by every row of the group, with TM x 2
+// accumulators, the two weights, their scales and offsets and a broadcast in registers.
+// MicroBlock's split by rows would rebuild each weight once per part, and a 16-byte load of
+// packed codes feeds 32 columns, more accumulators than fit. Every element gets the same
+// FMAs in the same order as in MicroBlock, so the same bits. Measured in BENCHMARKS.md,
+// "The packed block kernel on AVX2 at 2-9 rows".
+constexpr int kPiecesFrom = 2;  // one row keeps MicroBlock (by pieces measured 1.1-1.2x slower)
+
+template <int TM>
+inline void PackedPiece(const float* __restrict xt, int64_t xs, const uint8_t* __restrict w,
+                        const float* __restrict sc, const float* __restrict of, int64_t row0, int64_t rows,
+                        int64_t n, float* __restrict p, bool first, int64_t c0, bool prefetch) {
+  const int64_t stride = n / 2, col[2] = {c0, c0 + 16};
+  vf acc[TM][2];
+  for (int t = 0; t < TM; ++t)
+    for (int v = 0; v < 2; ++v) acc[t][v] = first ? vf{} : loadv(p + t * n + col[v]);
+  for (int64_t r = 0; r < rows;) {  // by blocks of kBlockRows input rows: one scale / offset
+    const int64_t b = (row0 + r) / kBlockRows;
+    const int64_t end = (b + 1) * kBlockRows - row0 < rows ? (b + 1) * kBlockRows - row0 : rows;
+    vf s[2], o[2];
+    for (int v = 0; v < 2; ++v) {
+      s[v] = loadv(sc + b * n + col[v]);
+      o[v] = loadv(of + b * n + col[v]);
+    }
+    for (; r < end; ++r) {
+      const uint8_t* wr = w + r * stride;
+      if (prefetch) __builtin_prefetch(wr + kPrefetchBytesPacked, 0, 1);
+      vf wv[2];
+      DequantPacked(wr, s[0], o[0], s[1], o[1], wv[0], wv[1]);
+      for (int t = 0; t < TM; ++t) {
+        const float xv = xt[r * xs + t];
+        for (int v = 0; v < 2; ++v) acc[t][v] += xv * wv[v];
+      }
+    }
+  }
+  for (int t = 0; t < TM; ++t)
+    for (int v = 0; v < 2; ++v) storev(p + t * n + col[v], acc[t][v]);
+}
+
+// MicroBlock's NV 16-column blocks of packed codes (w, sc, of and p at its column 0) by
+// pieces; the first piece's pass prefetches the codes as MicroBlock does
+template <int TM, int NV>
+inline void MicroBlockPieces(const float* xt, int64_t xs, const uint8_t* w, const float* sc, const float* of,
+                             int64_t row0, int64_t rows, int64_t n, float* p, bool first) {
+  static_assert(kLanes == 8 && NV % 2 == 0, "AVX2 pieces: 8-float vectors, 32-column groups");
+  for (int j = 0; j < NV; ++j)  // the 8 bytes at 16 (j / 2) + 8 (j % 2)
+    PackedPiece<TM>(xt, xs, w + 16 * (j / 2) + 8 * (j % 2), sc, of, row0, rows, n, p, first,
+                    32 * (j / 2) + 8 * (j % 2), j == 0);
+}
+#endif
+
 // Micro with w[r, :] = fma(code[r, :], scale[b, :], offset[b, :]), b = (row0 + r) / kBlockRows
 // (row0: the input row of this tile's first row); the same sums as Micro over those weights.
 // For one register group (up to 9 rows): rebuilding into an L1 buffer and reading it back,
@@ -264,6 +324,11 @@ template <int TM, int NV, class C>
 inline void MicroBlock(const float* __restrict xt, int64_t xs, const C* __restrict w,
                        const float* __restrict sc, const float* __restrict of, int64_t row0, int64_t rows,
                        int64_t n, float* __restrict p, bool first) {
+#if !defined(__AVX512F__) && defined(SPECJAX_VECTOR_REBUILD)
+  if constexpr (kPerByte<C> == 2 && TM >= kPiecesFrom && TM <= kMaxRows) {
+    return MicroBlockPieces<TM, NV>(xt, xs, w, sc, of, row0, rows, n, p, first);
+  }
+#endif
 #if !defined(__AVX512F__)
   // AVX2 (16 registers of 8 floats): split as Micro does, by columns down to one 16-column
   // block (packed codes: one 32-column group) while the accumulators, the weights and their
@@ -507,8 +572,12 @@ void StreamRows(ffi::ThreadPool& pool, int64_t threads, int64_t col_blocks, Oper
   // up to 6 rows: 64-column units. 7..9 rows: one group with 32-column units, so each weight
   // row is read once (all matmuls of a step at 7 / 8 / 9 rows: 18.5 / 20.6 / 23.7 ms vs
   // 20.0 / 21.8 / 24.6 ms as two 64-column passes). From 10 rows on a 12-row narrow block
-  // is compute-bound and slower (12 rows: 33 vs 30 ms), so groups of 6 again.
-  const int64_t gr = m > kMaxRows && m <= kMaxRowsNarrow ? kMaxRowsNarrow : kMaxRows;
+  // is compute-bound and slower (12 rows: 33 vs 30 ms), so groups of 6 again. Those times
+  // are AVX-512's (32 registers); with AVX2's 16 the narrow group's 9 x 4 accumulators do not
+  // fit, and two groups of 64-column units measured 0.69-0.73x its time (float32) and
+  // 0.72-0.79x (GGUF blocks) at 7..9 rows (BENCHMARKS.md, "The packed block kernel on AVX2
+  // at 2-9 rows"), so there the groups stay at 6 rows.
+  const int64_t gr = kNarrowGroups && m > kMaxRows && m <= kMaxRowsNarrow ? kMaxRowsNarrow : kMaxRows;
 
   // The caller owns these buffers until it returns; helpers only touch them while holding
   // a claimed task, and the caller waits for every task to finish.
