@@ -67,7 +67,10 @@ in 33 ms (BENCHMARKS.md, "The CPU kernels on an AVX2 CPU"). The GGUF block kerne
 (:func:`block_matmul`) rebuilds its weights the same way, 8 at a time with AVX2 and FMA
 (before 2026-12-07 one by one there, and ``weight_blocks="auto"`` was off without
 AVX-512; now it is on wherever :func:`blocks_vectorized` holds: BENCHMARKS.md, "GGUF block
-weights on an AVX2 CPU").
+weights on an AVX2 CPU"); with packed Q4 codes at 2-6 rows it runs one 16-column piece at a
+time, each weight rebuilt once for every row, and 7-9 rows take two register groups
+instead of one 9-row group, on AVX2 for both kernels (BENCHMARKS.md, "The packed block
+kernel on AVX2 at 2-9 rows").
 
 Numerics: each output element accumulates over K in an order that depends only on K, N and
 the thread count (never on M or the other rows), so a row's result does not depend on the

@@ -9,8 +9,11 @@ per step. SmolLM2-135M's GGUF stores its layers as Q4_1 and its embedding (the t
 head) as Q8_0: blocks of 32 weights with a float16 scale (and offset). With
 ``weight_blocks`` (the GGUF loader's default where the CPU kernels apply) the model keeps
 an int8 code per weight plus a float32 scale and offset per block and column (1.25 bytes
-per weight) and the matmul kernel rebuilds each weight in registers with one fma: the
-float32 weight, bit for bit, and the float32 kernel's sums.
+per weight), Q4 codes (0..15: the Q4_1 layers) packed two per byte (0.75 bytes per
+weight), and the matmul kernel rebuilds each weight in registers with one fma: the
+float32 weight, bit for bit, and the float32 kernel's sums. The block side packs the codes
+where the model does (``cpu_kernels.packable_q4``); ``--int8`` keeps every code int8 (what
+this script timed before 2026-12-07, when only the int8 path was measured here).
 
 The workload: every matmul of one SmolLM2-135M step (30 layers x q, k, v, o, gate, up,
 down, then the 576 x 49,152 LM head; the file's real weights) for M rows, in one jitted
@@ -93,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--gguf", default=None, help="a Q8_0 / Q4_0 / Q4_1 Llama GGUF (default: SmolLM2-135M's)")
     ap.add_argument("--generate", default="", help="batch sizes for whole generations (e.g. 1,4,16)")
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--int8", action="store_true", help="int8 codes everywhere (no Q4 packing)")
     args = ap.parse_args(argv)
     ms = [int(m) for m in args.ms.split(",")]
     if not ms or min(ms) < 1:
@@ -101,6 +105,10 @@ def main(argv=None):
 
     path = args.gguf or default_gguf_path()
     mats = matrices(path)
+    if not args.int8:  # as the loader keeps them
+        from specjax.models.cpu_kernels import pack_q4, packable_q4
+
+        mats = [(pack_q4(c) if packable_q4(c) else c, s, o, w) for c, s, o, w in mats]
     wbytes = sum(w.nbytes for *_, w in mats)
     bbytes = sum(c.nbytes + s.nbytes + o.nbytes for c, s, o, _ in mats)
     print(f"{path}: {len(mats)} matrices, float32 weights {wbytes / 1e6:.0f} MB, blocks {bbytes / 1e6:.0f} MB")
