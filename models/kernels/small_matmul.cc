@@ -265,13 +265,14 @@ inline void DequantRow(const uint8_t* wr, const vf* s, const vf* o, vf* wv) {
 // AVX2 and FMA (16 registers of 8 floats), packed Q4 codes, 2..6 rows (the register groups
 // there: see kNarrowGroups): the group computes one piece of 16 columns at a time over the
 // tile's rows, the two vectors of 8 bytes of codes (low nibbles: columns c.., high ones:
-// c + 16..), each rebuilt once per row and used by every row of the group, with TM x 2
-// accumulators, the two weights, their scales and offsets and a broadcast in registers.
+// c + 16..), each rebuilt once per row and used by every row of the group. Up to 4 rows the
+// TM x 2 accumulators, the two weights, their scales and offsets and a broadcast fit in
+// the registers; at 5-6 rows some of them spill to L1, and that still measured faster.
 // MicroBlock's split by rows would rebuild each weight once per part, and a 16-byte load of
 // packed codes feeds 32 columns, more accumulators than fit. Every element gets the same
 // FMAs in the same order as in MicroBlock, so the same bits. Measured in BENCHMARKS.md,
 // "The packed block kernel on AVX2 at 2-9 rows".
-constexpr int kPiecesFrom = 2;  // one row keeps MicroBlock (by pieces measured 1.1-1.2x slower)
+constexpr int kPiecesFrom = 2;  // one row keeps MicroBlock (by pieces measured 1.2x slower)
 
 template <int TM>
 inline void PackedPiece(const float* __restrict xt, int64_t xs, const uint8_t* __restrict w,
