@@ -98,9 +98,13 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--int8", action="store_true", help="int8 codes everywhere (no Q4 packing)")
     args = ap.parse_args(argv)
-    ms = [int(m) for m in args.ms.split(",")]
-    if not ms or min(ms) < 1:
-        raise SystemExit("bench_block_weights: --ms takes positive row counts")
+    try:
+        ms = [int(m) for m in args.ms.split(",")]
+        gens = [int(b) for b in args.generate.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--ms and --generate take comma-separated counts, got {args.ms!r} and {args.generate!r}")
+    if min(ms) < 1 or min(gens, default=1) < 1 or args.rounds < 1 or args.new_tokens < 1:
+        ap.error("--ms, --generate, --rounds and --new-tokens take positive numbers")
     from specjax.models.gguf_loader import default_gguf_path
 
     path = args.gguf or default_gguf_path()
@@ -141,8 +145,8 @@ def main(argv=None):
               f"{np.median(ratio):.2f} | {'same' if same else 'DIFFERENT'} |", flush=True)
         if not same:
             raise SystemExit("bench_block_weights: the block kernel's bits differ from the float32 kernel's")
-    if args.generate:
-        generations([int(b) for b in args.generate.split(",")], args.new_tokens, args.gguf)
+    if gens:
+        generations(gens, args.new_tokens, args.gguf)
 
 
 def generations(batches, new_tokens, path=None):

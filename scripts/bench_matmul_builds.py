@@ -23,6 +23,8 @@ float16-valued scales and offsets per 32 inputs, as the loader keeps the default
 layers), the block kernel's builds compared instead. ``--packed``: with ``--blocks``, each
 build twice, the layer matrices' codes as int8 and packed two per byte (``pack_q4``, as the
 loader keeps Q4_1 layers; the Q8_0 head stays int8), e.g. ``--rev . --blocks --packed``.
+``--f16``: the same matmuls with float16 weights (``SpecjaxSmallMatmulF16``, as the shipped
+draft head keeps its weights).
 """
 from __future__ import annotations
 
@@ -108,7 +110,8 @@ def step_matmuls(target: str, m: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from specjax.cli import OneLineParser  # one-line usage errors, exit 2
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", action="append", help="git revision of the kernel source, or '.' (repeatable)")
     ap.add_argument("--ms", default="1,7,10,12,16,17,32", help="row counts M")
     ap.add_argument("--rounds", type=int, default=9)
@@ -116,11 +119,19 @@ def main(argv=None):
     ap.add_argument("--unfused", action="store_true", help="q, k, v, gate, up as separate matmuls")
     ap.add_argument("--packed", action="store_true",
                     help="with --blocks: each build with int8 and with packed Q4 layer codes")
+    ap.add_argument("--f16", action="store_true", help="float16 weights (the float16 kernel)")
     args = ap.parse_args(argv)
     revs = args.rev or ["HEAD", "."]
     if args.packed and not args.blocks:
         ap.error("--packed needs --blocks")
-    ms = [int(v) for v in args.ms.split(",")]
+    if args.f16 and args.blocks:
+        ap.error("--f16 and --blocks exclude each other")
+    try:
+        ms = [int(v) for v in args.ms.split(",")]
+    except ValueError:
+        ap.error(f"--ms takes comma-separated row counts, got {args.ms!r}")
+    if min(ms) < 1 or args.rounds < 1:
+        ap.error("--ms and --rounds take positive numbers")
     if jax.default_backend() != "cpu":
         raise SystemExit("bench_matmul_builds: the kernels are for the CPU backend")
 
@@ -128,7 +139,8 @@ def main(argv=None):
 
     def weights(shape):
         if not args.blocks:
-            return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+            w = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            return jnp.asarray(w.astype(np.float16) if args.f16 else w)
         k, n = shape
         code = rng.integers(0, 16, shape).astype(np.int8)
         scale, offset = (rng.standard_normal((2, k // 32, n)) * 0.002).astype(np.float16).astype(np.float32)
@@ -136,7 +148,7 @@ def main(argv=None):
 
     ws = [weights(s) for _ in range(30) for s in (UNFUSED_SHAPES if args.unfused else LAYER_SHAPES)]
     head = weights(HEAD_SHAPE)
-    handler = "SpecjaxBlockMatmul" if args.blocks else "SpecjaxSmallMatmul"
+    handler = "SpecjaxBlockMatmul" if args.blocks else "SpecjaxSmallMatmulF16" if args.f16 else "SpecjaxSmallMatmul"
     layer_sets = {"": ws}  # the runs of each build: its weights (by name suffix)
     if args.packed:
         from specjax.models.cpu_kernels import pack_q4

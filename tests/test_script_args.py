@@ -212,3 +212,26 @@ def test_sim_auto_rule_checks_its_lists_before_simulating(capsys, monkeypatch):
         (m, ["--budgets", "0"], "--budgets must be >= 1"),
         (m, ["--calls", "x"], "invalid int value"),
     ], capsys)
+
+
+def test_kernel_benchmarks_refuse_bad_arguments(capsys, monkeypatch):
+    """The kernel tools (bench_matmul_builds.py, bench_block_weights.py): one line and exit 2
+    before building a kernel or reading the GGUF."""
+    from scripts import bench_block_weights, bench_matmul_builds
+
+    _no_load(monkeypatch)
+    m, b = bench_matmul_builds.main, bench_block_weights.main
+    monkeypatch.setattr(bench_matmul_builds, "build", lambda *a, **k: pytest.fail("a kernel was built"))
+    monkeypatch.setattr(bench_block_weights, "matrices", lambda *a, **k: pytest.fail("the GGUF was read"))
+    _expect_usage_errors([
+        (m, ["--f16", "--blocks"], "--f16 and --blocks exclude each other"),
+        (m, ["--packed"], "--packed needs --blocks"),
+        (m, ["--ms", "a"], "--ms takes comma-separated row counts, got 'a'"),
+        (m, ["--ms", "1,0"], "--ms and --rounds take positive numbers"),
+        (m, ["--rounds", "0"], "--ms and --rounds take positive numbers"),
+        (b, ["--ms", "x"], "--ms and --generate take comma-separated counts"),
+        (b, ["--generate", "1,y"], "--ms and --generate take comma-separated counts"),
+        (b, ["--ms", "0"], "take positive numbers"),
+        (b, ["--generate", "0"], "take positive numbers"),
+        (b, ["--new-tokens", "0"], "take positive numbers"),
+    ], capsys)
