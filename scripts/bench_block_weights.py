@@ -98,13 +98,11 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--int8", action="store_true", help="int8 codes everywhere (no Q4 packing)")
     args = ap.parse_args(argv)
-    try:
-        ms = [int(m) for m in args.ms.split(",")]
-        gens = [int(b) for b in args.generate.split(",") if b.strip()]
-    except ValueError:
-        ap.error(f"--ms and --generate take comma-separated counts, got {args.ms!r} and {args.generate!r}")
-    if min(ms) < 1 or min(gens, default=1) < 1 or args.rounds < 1 or args.new_tokens < 1:
-        ap.error("--ms, --generate, --rounds and --new-tokens take positive numbers")
+    from scripts.bench_auto_ab import _ints
+
+    ms, gens = _ints(ap, "--ms", args.ms), _ints(ap, "--generate", args.generate, allow_empty=True)
+    if args.rounds < 1 or args.new_tokens < 1:
+        ap.error("--rounds and --new-tokens take positive numbers")
     from specjax.models.gguf_loader import default_gguf_path
 
     path = args.gguf or default_gguf_path()

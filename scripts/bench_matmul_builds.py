@@ -126,12 +126,11 @@ def main(argv=None):
         ap.error("--packed needs --blocks")
     if args.f16 and args.blocks:
         ap.error("--f16 and --blocks exclude each other")
-    try:
-        ms = [int(v) for v in args.ms.split(",")]
-    except ValueError:
-        ap.error(f"--ms takes comma-separated row counts, got {args.ms!r}")
-    if min(ms) < 1 or args.rounds < 1:
-        ap.error("--ms and --rounds take positive numbers")
+    from scripts.bench_auto_ab import _ints
+
+    ms = _ints(ap, "--ms", args.ms)
+    if args.rounds < 1:
+        ap.error("--rounds takes a positive number")
     if jax.default_backend() != "cpu":
         raise SystemExit("bench_matmul_builds: the kernels are for the CPU backend")
 
