@@ -204,9 +204,10 @@ def test_stacked_weights_are_read_in_place_with_the_slices_bits():
 
 def _stand_in_compiler(tmp_path, monkeypatch, seconds=0.0):
     """$CXX set to a stand-in that answers ``--version``, logs every other call and writes
-    its ``-o`` file after ``seconds`` (the real build takes ~1 minute of CPU here). Its path
+    its ``-o`` file after ``seconds`` (the real build takes ~20 s of CPU here). Its path
     is new, so the build ids it gets (``build_id`` is memoized per compiler) are never the
-    real one's. Returns the number of builds it has run so far, as a function."""
+    real one's. Returns the number of builds it has run so far (its links: one per build,
+    after one compile per source), as a function."""
     calls = tmp_path / "calls.log"
     cxx = tmp_path / "fake-cxx"
     cxx.write_text(
@@ -220,7 +221,7 @@ def _stand_in_compiler(tmp_path, monkeypatch, seconds=0.0):
         "open(args[args.index('-o') + 1], 'wb').write(b'not a library')\n")
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
-    return lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
+    return lambda: sum("-shared" in line.split() for line in calls.read_text().splitlines()) if calls.exists() else 0
 
 
 def test_cache_dir_is_reused(tmp_path, monkeypatch):
@@ -253,7 +254,7 @@ def test_processes_that_build_at_once_build_once(tmp_path, monkeypatch):
     finds its library. (Threads here: each takes its own lock, as processes do.)"""
     import threading
 
-    built = _stand_in_compiler(tmp_path, monkeypatch, seconds=1.5)
+    built = _stand_in_compiler(tmp_path, monkeypatch, seconds=0.75)
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
     ck.build_id(ck.compiler())  # memoized before the threads start
@@ -268,24 +269,43 @@ def test_processes_that_build_at_once_build_once(tmp_path, monkeypatch):
     assert ck.build(force=True) == got[0] and built() == 2  # force still builds
 
 
-def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
-    """Ctrl-C while the compiler runs (the CLI's interrupt test hit it: an empty temporary
-    library stayed in ~/.cache/specjax/kernels): the interrupt propagates, no file stays."""
-    built = _stand_in_compiler(tmp_path, monkeypatch)
+@pytest.mark.parametrize("phase", ["compile", "link"])
+def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch, phase):
+    """Ctrl-C while the compilers run (the CLI's interrupt test hit it: an empty temporary
+    library stayed in ~/.cache/specjax/kernels), or while the objects are linked: the
+    interrupt propagates, the compilers started are stopped, no file stays."""
+    built = _stand_in_compiler(tmp_path, monkeypatch, seconds=30.0 if phase == "compile" else 0.0)
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(cache))
-    run = subprocess.run
+    run, popen = subprocess.run, subprocess.Popen
+    started = []
+
+    class Interrupted(popen):  # the compilers start; waiting for the first is interrupted
+        def __init__(self, cmd, **kwargs):
+            super().__init__(cmd, **kwargs)
+            self.compiler = "-c" in cmd  # (subprocess.run asks for --version through Popen too)
+            if self.compiler:
+                started.append(self)
+
+        def communicate(self, *a, **k):
+            if not self.compiler:
+                return super().communicate(*a, **k)
+            assert len(started) == len(ck.SOURCES)  # all started before any is waited for
+            raise KeyboardInterrupt
 
     def interrupted(cmd, **kwargs):
         if cmd[1:] == ["--version"]:
             return run(cmd, **kwargs)
-        assert Path(cmd[cmd.index("-o") + 1]).parent == cache  # the temporary file exists by now
+        assert cache in Path(cmd[cmd.index("-o") + 1]).parents  # its temporary files exist by now
         raise KeyboardInterrupt
 
+    if phase == "compile":
+        monkeypatch.setattr(ck.subprocess, "Popen", Interrupted)
     monkeypatch.setattr(ck.subprocess, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ck.build()
     assert list(cache.iterdir()) == [] and built() == 0
+    assert all(p.returncode is not None for p in started)  # stopped, not left running
 
 
 # the last four run multi-threaded (above the kernel's kMinParallelFlops), the first of
