@@ -30,13 +30,14 @@ PROMPT = [1, 5, 2]
 
 
 def _engine_hist(eng, cfg, n, rows=ROWS, chunk=25_000, seed=0):
+    """Histogram of ``rows`` rows (row indices 0..rows-1), in calls of at most ``chunk``."""
     hist = np.zeros(V ** n, np.int64)
     for start in range(0, rows, chunk):
-        idx = np.arange(start, start + chunk)
-        out = eng.generate([PROMPT] * chunk, seed=seed, row_indices=idx, sampling_params=cfg,
+        idx = np.arange(start, min(start + chunk, rows))
+        out = eng.generate([PROMPT] * idx.size, seed=seed, row_indices=idx, sampling_params=cfg,
                            max_new_tokens=n)
         toks = np.array(out.tokens)
-        assert toks.shape == (chunk, n)
+        assert toks.shape == (idx.size, n)
         hist += histogram(toks, V, n)
     return hist
 
@@ -109,7 +110,7 @@ def test_engine_law_qwen3_style_models():
     cfg = CASES["t1"]
     law = exact_chain_law(tgt, PROMPT, n, cfg)
     eng = engine.SpeculativeEngine(tgt, DraftModelProposer(drf, k), "token")
-    chi = chi_square_test(_engine_hist(eng, cfg, n, rows=rows, chunk=rows), law)
+    chi = chi_square_test(_engine_hist(eng, cfg, n, rows=rows), law)
     assert chi.p_value > ALPHA_SIG, f"chi-square {chi.statistic:.1f}, p={chi.p_value:.2e}"
 
 
@@ -153,7 +154,7 @@ def test_engine_mutants_fail_the_law_test(target, draft, mutant):
     # tenth (chi-square 4,225 and 5,449 on 33 dof on 10,000 rows)
     few = ROWS // 10
     hist = (_engine_hist(eng, cfg, n) if mutant == "stale_penalty_counts" else
-            _engine_hist(eng, cfg, n, rows=few, chunk=few))
+            _engine_hist(eng, cfg, n, rows=few))
     chi = chi_square_test(hist, law)
     assert chi.p_value < 1e-6, f"mutant {mutant} passed the law test (p={chi.p_value:.3g}); the test has no power"
 
@@ -191,7 +192,7 @@ def test_engine_law_with_a_draft_cut_at_its_candidates(target, draft, monkeypatc
         eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, k), "token")
         # (the mutant fails by far: chi-square 56,150 on 475 dof on 10,000 rows)
         hist = (_engine_hist(eng, cfg, n, rows=ROWS // 2) if variant == "draft_cut" else
-                _engine_hist(eng, cfg, n, rows=ROWS // 10, chunk=ROWS // 10))
+                _engine_hist(eng, cfg, n, rows=ROWS // 10))
     finally:
         jax.clear_caches()
     chi = chi_square_test(hist, law)
@@ -218,7 +219,8 @@ class _MinNewAtRoundStart(engine.SpeculativeEngine):
 def _controlled_hist(eng, cfg, n, rows=40_000, chunk=40_000):
     hist = np.zeros(V ** n, np.int64)
     for start in range(0, rows, chunk):
-        out = eng.generate([PROMPT] * chunk, seed=0, row_indices=np.arange(start, start + chunk),
+        idx = np.arange(start, min(start + chunk, rows))
+        out = eng.generate([PROMPT] * idx.size, seed=0, row_indices=idx,
                            sampling_params=cfg, max_new_tokens=n, stop_tokens=[STOP], **CONTROLS)
         hist += histogram(pad_after_stop(out.tokens, STOP, n), V, n)
     return hist
@@ -246,7 +248,7 @@ def test_generation_controls_law(target, draft, controlled_law, variant):
         eng = _MinNewAtRoundStart(target, DraftModelProposer(draft, k), "token")
     # the mutant fails by far on 10,000 rows (chi-square 6,340 on 23 dof)
     rows = 10_000 if variant.startswith("mutant") else 40_000
-    chi = chi_square_test(_controlled_hist(eng, cfg, n, rows=rows, chunk=rows), law)
+    chi = chi_square_test(_controlled_hist(eng, cfg, n, rows=rows), law)
     if variant.startswith("mutant"):
         assert chi.p_value < 1e-6, f"the mutant passed (p={chi.p_value:.3g}): the test has no power"
     else:
