@@ -248,8 +248,8 @@ def _compile(cxx: str, include: str, out: Path) -> None:
             cmd = [cxx, *flags, f"-I{include}", "-c", str(src), "-o", str(obj)]
             procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
             objects.append(str(obj))
-        errors = [(cmd, p.communicate()[1]) for cmd, p in procs]
-        for (cmd, err), (_, p) in zip(errors, procs):
+        for cmd, p in procs:  # a failure stops the others (below)
+            err = p.communicate()[1]
             if p.returncode != 0:
                 raise RuntimeError(f"building the CPU kernels failed: {' '.join(cmd)}\n{err[-4000:]}")
         tmp = work / out.name
