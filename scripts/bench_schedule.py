@@ -15,7 +15,8 @@ apart from the training prompts, many styles) with stop tokens on (natural lengt
 ``--dataset-max-new``), ``--dataset-batch`` slots: the same engines in fixed batches
 (``generate`` on consecutive chunks, rows keyed by dataset index) and with continuous
 batching (``generate_dataset``), once with every slot to the end and once with the tail
-compacted (the default: once no prompt is left, the running rows move to fewer slots).
+compacted (``compact=True``, every tail size built ahead: once no prompt is left, the
+running rows move to fewer slots).
 Reported: wall time per generated token, loop iterations, slot iterations (slots x
 iterations, summed over the batch sizes a run went through), tokens per slot iteration
 against the rows' own tokens per round (their ratio), and whether every mode gave the

@@ -193,6 +193,20 @@ def _as_params(sampling_params, batch: int) -> sampling.SamplingParams:
     raise TypeError(f"unsupported sampling parameters: {type(sampling_params).__name__}")
 
 
+def _auto_compact(compact) -> bool:
+    return isinstance(compact, str) and compact == "auto"
+
+
+def tail_pays(rounds_left: int, round_s: float, slots: int, m: int, build_s: float) -> bool:
+    """Whether moving a dataset run's tail from ``slots`` to ``m`` slots can save more time
+    than building the programs of ``m`` slots, expected to take ``build_s`` seconds: a
+    round of m rows costs at least m / slots of a round of ``slots`` rows (``round_s``
+    seconds; the weights are read once for all rows, so a round's cost grows at most in
+    proportion to its rows), and every running row commits at least one token a round, so
+    at most ``rounds_left`` rounds (the largest token budget left) remain."""
+    return rounds_left * round_s * (1.0 - m / slots) > build_s
+
+
 def calibration_sizes(prompt_len: int, new_tokens: int, k: int, limit: Optional[int],
                       min_prompt_len: int = 1) -> tuple:
     """(prompt tokens, new tokens) of adaptive K's calibration runs: as asked where they fit
@@ -780,6 +794,9 @@ class _Sharded:
         self._advance = self._jit(self._advance_program, donate_argnums=(0,), static_argnames=("hints",))
         self._finish = self._jit(self._finish_program, static_argnames=("out_cap",))
         self._compiled: dict = {}  # signature -> compiled program (see _executable)
+        # id of a program in _compiled (kept there for the engine's life) -> seconds its
+        # tracing, lowering and compiling (or loading from the compile cache) took
+        self._build_seconds: dict = {}
 
     def _hints_of(self, batch: Batch, greedy: bool = False):
         """The :class:`specjax.sampling.BatchHints` of ``batch``'s settings (``greedy``: every
@@ -852,8 +869,10 @@ class _Sharded:
                tuple(sorted(static.items())))
         exe = self._compiled.get(sig)
         if exe is None:
+            t0 = time.perf_counter()
             with self._context():
                 exe = self._compiled[sig] = getattr(self, program).lower(*args, **static).compile()
+            self._build_seconds[id(exe)] = time.perf_counter() - t0
         return exe
 
     def _stream_executables(self, args, static):
@@ -940,10 +959,10 @@ class _Sharded:
 
     def _tail_sizes(self, b: int, compact=True) -> list:
         """The smaller batch sizes a dataset run's tail may move to (:meth:`_dataset`),
-        largest first: ``compact=True`` b // 2, b // 4, ..., 1; a sequence: those sizes
-        below b; False: none. An adaptive engine without a cost table at a size borrows
+        largest first: ``compact="auto"`` or True b // 2, b // 4, ..., 1; a sequence: those
+        sizes below b; False: none. An adaptive engine without a cost table at a size borrows
         one (:meth:`_opts_at`)."""
-        if compact is True:
+        if compact is True or (isinstance(compact, str) and compact == "auto"):
             sizes, s = [], b // 2
             while s >= 1:
                 sizes.append(s)
@@ -956,7 +975,7 @@ class _Sharded:
             except (TypeError, ValueError):
                 ok = False
             if not ok:
-                raise ValueError(f"compact must be True, False or a list of batch sizes >= 1, got {compact!r}")
+                raise ValueError(f"compact must be 'auto', True, False or a list of batch sizes >= 1, got {compact!r}")
             sizes = [int(m) for m in compact]
         return sorted({m for m in sizes if m < b}, reverse=True)
 
@@ -982,13 +1001,7 @@ class _Sharded:
         loop index and adaptive K's evidence, stay), and the shapes of the result. Built
         once per engine and shapes."""
         big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
-        args, static = self._call_args(_batch_rows(full, range(m)), **self._no_costs(static_opts))
-        # the loop's other inputs too: the stop tokens' buffer and the controls present
-        # (allowed, bias) change with the call, not with the loop state
-        inputs = self._advance_inputs(args)
-        sig = ("_tail", str(jax.tree.structure(big)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(big)),
-               m, tuple(sorted(static.items())), str(jax.tree.structure(inputs)),
-               tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in jax.tree.leaves(inputs)))
+        sig, args, static = self._tail_sig(full, big, m, static_opts)
         got = self._compiled.get(sig)
         if got is None:
             small = jax.eval_shape(functools.partial(self._start_program, **static), *args)
@@ -1004,6 +1017,22 @@ class _Sharded:
             got = self._compiled[sig] = (advance, finish, take, small)
         return got
 
+    def _tail_sig(self, full: Batch, big, m: int, static_opts: dict) -> tuple:
+        """(signature, arguments, static settings) of :meth:`_tail_executables`."""
+        args, static = self._call_args(_batch_rows(full, range(m)), **self._no_costs(static_opts))
+        # the loop's other inputs too: the stop tokens' buffer and the controls present
+        # (allowed, bias) change with the call, not with the loop state
+        inputs = self._advance_inputs(args)
+        sig = ("_tail", str(jax.tree.structure(big)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(big)),
+               m, tuple(sorted(static.items())), str(jax.tree.structure(inputs)),
+               tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in jax.tree.leaves(inputs)))
+        return sig, args, static
+
+    def _tail_built(self, full: Batch, big, m: int, static_opts: dict) -> bool:
+        """Whether :meth:`_tail_executables` has the programs of this move already."""
+        big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
+        return self._tail_sig(full, big, m, static_opts)[0] in self._compiled
+
     def _compile_tail(self, full: Batch, b: int, carry, static_opts: dict, tail: list) -> None:
         """Compile every program a dataset run at ``b`` slots may move its tail to."""
         shapes = {b: carry}
@@ -1015,7 +1044,8 @@ class _Sharded:
     def _compile_dataset(self, full: Batch, b: int, static_opts: dict, compact) -> None:
         """The programs of ``generate_dataset(batch_size=b, compact=compact)``."""
         static_opts = self._with_hints(full, static_opts)
-        tail = self._tail_sizes(b, compact)
+        # "auto": the tail's programs are built during a run, where they pay (_dataset)
+        tail = [] if _auto_compact(compact) else self._tail_sizes(b, compact)
         _, (start, *_) = self._dataset_executables(full, b, static_opts)
         if tail:
             carry = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), start.out_info)
@@ -1052,14 +1082,15 @@ class _Sharded:
         return carry.replace(**rows)
 
     def _dataset(self, full: Batch, batch_size: int, static_opts: dict, with_stats: bool,
-                 raise_on_error: bool, on_row=None, compact=True) -> GenerateOutput:
+                 raise_on_error: bool, on_row=None, compact="auto") -> GenerateOutput:
         """Continuous batching: ``batch_size`` slots; the loop pauses when a row finishes,
         its output is read, the next prompt is prefilled into its slot (one compiled
         ``_insert``) and the loop goes on. Every row keeps its dataset key and its own
         round / step count, so its tokens are those it gets alone. ``compact``: once no
         prompt is left and the running rows fit in a smaller size of :meth:`_tail_sizes`,
         they move to a loop state of the smallest such size (their state, caches and counts
-        gathered, nothing recomputed), so that the tail does not pay for idle rows."""
+        gathered, nothing recomputed), so that the tail does not pay for idle rows; with
+        ``"auto"``, of those whose programs are built or pay for their building."""
         batch_size = _count("batch_size", batch_size)
         if on_row is not None and not callable(on_row):
             raise TypeError(f"on_row must be a function of (row index, row results), got {on_row!r}")
@@ -1075,6 +1106,12 @@ class _Sharded:
         nxt = b
         tail = self._tail_sizes(b, compact)
         args, (start, advance, finish, insert) = self._dataset_executables(full, b, static_opts)
+        # compact="auto": a size whose programs are not built yet is moved to only when the
+        # move can save more than building them is expected to take, as long as building
+        # this size's own took (tail_pays)
+        when_pays = _auto_compact(compact)
+        build_s = self._build_seconds.get(id(advance), 0.0) + self._build_seconds.get(id(finish), 0.0)
+        run_s = 0.0  # seconds in `advance` at the current size
         opts_at = {m: self._opts_at(static_opts, m, b) for m in [b] + tail}  # b's table: measured now
         one_args = lambda i: self._one_row_args(full, i, static_opts)  # noqa: E731
         results: list = [None] * n
@@ -1086,9 +1123,13 @@ class _Sharded:
             rest = self._advance_inputs(args)
             refill = True  # look before running: a row with max_new_tokens 0 is done at once
             while True:
+                t0 = time.perf_counter()
                 if not refill:
                     carry = advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(True))
-                done = np.asarray(jax.device_get(carry.state.done))
+                done, now = jax.device_get((carry.state.done, carry.round))
+                done = np.asarray(done)
+                if not refill:
+                    run_s += time.perf_counter() - t0
                 finished = [s for s in range(len(slots)) if slots[s] is not None and done[s]]
                 refill = False
                 if finished:
@@ -1108,14 +1149,18 @@ class _Sharded:
                     running = [s for s in range(len(slots)) if slots[s] is not None]
                     if not running:
                         break
-                    fits = [m for m in tail if len(running) <= m < len(slots)]
-                    if nxt >= n and fits:  # the tail: move the running rows to fewer slots
+                    fits = [m for m in tail if len(running) <= m < len(slots)] if nxt >= n else []
+                    if fits and when_pays:
+                        left = max(int(full.max_new[slots[s]]) - int(host["gen_len"][s]) for s in running)
+                        round_s = run_s / max(int(now) - stage_start, 1)
+                        fits = [m for m in fits if self._tail_built(full, carry, m, static_opts)
+                                or tail_pays(left, round_s, len(slots), m, build_s)]
+                    if fits:  # the tail: move the running rows to fewer slots
                         m = min(fits)
                         idle = [s for s in range(len(slots)) if slots[s] is None]
                         idx = running + idle[: m - len(running)]  # idle rows are done: never read
-                        now = int(jax.device_get(carry.round))
-                        stages.append((len(slots), now - stage_start))
-                        stage_start = now
+                        stages.append((len(slots), int(now) - stage_start))
+                        stage_start, run_s = int(now), 0.0
                         advance, finish, take, _ = self._tail_executables(full, carry, m, static_opts)
                         carry = take(carry, np.asarray(idx, np.int32))
                         slots = [slots[s] for s in idx]
@@ -2075,7 +2120,7 @@ class SpeculativeEngine(_Sharded):
         return _to_output(res, with_stats=True, raise_on_error=raise_on_error, rows=batch.size)
 
     def generate_dataset(self, prompts, *, batch_size: int = 16, raise_on_error=True, on_row=None,
-                         compact=True, **kwargs) -> GenerateOutput:
+                         compact="auto", **kwargs) -> GenerateOutput:
         """Generate for a whole dataset of prompts with ``batch_size`` slots kept busy
         (continuous batching): when a row finishes (stop token or its max_new_tokens) the
         next prompt is prefilled into its slot and the loop goes on, with no retrace. Row i
@@ -2090,11 +2135,15 @@ class SpeculativeEngine(_Sharded):
         ``batch_size``, ``inserts``, ``stages`` ((slots, loop iterations) per batch size
         the run went through), ``slot_iterations`` (their sum of slots x iterations) and,
         for this engine, ``k_rounds`` and ``switches``. ``compact``: when no prompt is left, the running
-        rows move to fewer slots: True b/2, b/4, ..., 1; or a list of sizes (e.g. ``[12, 8,
-        6, 4, 3, 2, 1]``: fewer idle slots, more programs); False: never. With k="auto"
-        a size with no cost table borrows the table of the nearest larger size that has
-        one (it never stops to measure). Each size is compiled once per engine; the rows'
-        tokens do not change."""
+        rows move to fewer slots, b/2, b/4, ..., 1: ``"auto"`` (the default) moves to a size
+        whose programs are built (by an earlier run or by ``compile(..., compact=True)``),
+        and to one not built yet only when the move can save more time than building it
+        is expected to take (:func:`tail_pays`: about as long as this size's programs
+        took); True: every move, building what it needs; a list of sizes (e.g. ``[12, 8, 6,
+        4, 3, 2, 1]``: fewer idle slots, more programs): every move to those; False: never.
+        With k="auto" a size with no cost table borrows the table of the nearest larger
+        size that has one (it never stops to measure). Each size is compiled once per
+        engine; the rows' tokens do not change."""
         full = self.prepare(prompts, **kwargs)
         return self._dataset(full, batch_size, {}, True, raise_on_error, on_row, compact)
 
@@ -2113,12 +2162,13 @@ class SpeculativeEngine(_Sharded):
         return TokenStream(self._stream(batch, _chunk(chunk), {}, True, raise_on_error))
 
     def compile(self, prompts, *, stream: bool = False, dataset_batch: Optional[int] = None,
-                compact=True, **kwargs) -> None:
+                compact="auto", **kwargs) -> None:
         """Compile the program :meth:`generate` runs for these arguments (the same shapes and
         static settings: buckets, not values) without running it, so that such a
         ``generate`` then spends its time decoding; ``stream=True``: the programs of
         :meth:`stream` instead; ``dataset_batch=B``: those of
-        ``generate_dataset(prompts, batch_size=B, compact=compact)``. With ``k="auto"`` this also
+        ``generate_dataset(prompts, batch_size=B, compact=compact)`` (with ``compact="auto"``
+        those of the B slots only; True or a list: every tail size's too). With ``k="auto"`` this also
         measures the round costs for that batch size if none are known (:meth:`costs_for`)."""
         batch = self.prepare(prompts, **kwargs)
         if dataset_batch is not None:
@@ -2232,7 +2282,7 @@ class AutoregressiveEngine(_Sharded):
         return _to_output(res, with_stats=False, raise_on_error=raise_on_error, rows=batch.size)
 
     def generate_dataset(self, prompts, *, batch_size: int = 16, greedy=False, raise_on_error=True,
-                         on_row=None, compact=True, **kwargs) -> GenerateOutput:
+                         on_row=None, compact="auto", **kwargs) -> GenerateOutput:
         """As :meth:`SpeculativeEngine.generate_dataset` (row i's step t draws with its
         dataset key, so its tokens are those it gets alone)."""
         full = self.prepare(prompts, **kwargs)
@@ -2246,7 +2296,7 @@ class AutoregressiveEngine(_Sharded):
         return TokenStream(self._stream(batch, _chunk(chunk), dict(greedy=greedy), False, raise_on_error))
 
     def compile(self, prompts, *, greedy=False, stream: bool = False,
-                dataset_batch: Optional[int] = None, compact=True, **kwargs) -> None:
+                dataset_batch: Optional[int] = None, compact="auto", **kwargs) -> None:
         """As :meth:`SpeculativeEngine.compile`."""
         batch = self.prepare(prompts, **kwargs)
         if dataset_batch is not None:

@@ -41,7 +41,7 @@ def test_rows_equal_one_row_runs(engines, which):
     cfg = sampling.SamplingConfig(temperature=1.0)
     kw = dict(seed=5, sampling_params=cfg, stop_tokens=[0])
     seen = []
-    out = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new,
+    out = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=True,
                                on_row=lambda i, row: seen.append(i), **kw)
     assert sorted(seen) == list(range(len(prompts))) and seen != list(range(len(prompts)))  # refilled out of order
     assert out.raw["inserts"] == len(prompts) - 4 and out.raw["batch_size"] == 4
@@ -53,6 +53,9 @@ def test_rows_equal_one_row_runs(engines, which):
     assert out.raw["slot_iterations"] == sum(m * it for m, it in out.raw["stages"])
     whole = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=False, **kw)
     assert whole.tokens == out.tokens and whole.raw["stages"] == [(4, whole.raw["iterations"])]
+    # compact="auto" (the default) moves to the sizes the run above built
+    auto = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, **kw)
+    assert auto.tokens == out.tokens and auto.raw["stages"] == out.raw["stages"]
     # sizes as a list (here only 1, whose programs the run above compiled)
     ones = eng.generate_dataset(prompts, batch_size=4, max_new_tokens=max_new, compact=[1], **kw)
     assert ones.tokens == out.tokens and {m for m, _ in ones.raw["stages"]} == {4, 1}
@@ -186,8 +189,45 @@ def test_a_second_run_with_other_stop_tokens_and_controls(engines):
     eng = engines["autoregressive"]
     prompts, max_new = _dataset(7, seed=3)
     kw = dict(seed=1, max_new_tokens=max_new, sampling_params=dict(temperature=1.0))
-    eng.generate_dataset(prompts, batch_size=4, stop_tokens=[0], **kw)
+    eng.generate_dataset(prompts, batch_size=4, stop_tokens=[0], compact=True, **kw)
     for more in (dict(stop_tokens=[0] * 5), dict(stop_tokens=[0], banned_tokens=[5])):
-        got = eng.generate_dataset(prompts, batch_size=4, **more, **kw)
+        got = eng.generate_dataset(prompts, batch_size=4, compact=True, **more, **kw)
         assert len(got.raw["stages"]) > 1, got.raw["stages"]  # the tail moved
         assert got.tokens == eng.generate(prompts, **more, **kw).tokens
+
+
+def test_tail_pays():
+    # 100 rounds left of 0.1 s at 16 slots: moving to 4 saves at most 100 * 0.1 * 3/4 = 7.5 s
+    assert engine.tail_pays(100, 0.1, 16, 4, 7.4) and not engine.tail_pays(100, 0.1, 16, 4, 7.6)
+    assert not engine.tail_pays(100, 0.1, 16, 8, 5.1)  # 5 s at most
+    assert not engine.tail_pays(0, 0.1, 16, 1, 0.0) and not engine.tail_pays(100, 0.0, 16, 1, 0.0)
+
+
+def test_auto_compact_builds_a_tail_size_only_where_it_pays(models, monkeypatch):
+    """``compact="auto"`` (the default): a tail size not built yet is moved to only when
+    ``tail_pays`` says so, asked with the largest token budget left among the running
+    rows, the measured seconds per loop iteration at the current size and the seconds this
+    size's programs took to build; ``compile(dataset_batch=B)`` builds no tail program
+    then. The rows' tokens are the same either way."""
+    target, _ = models
+    prompts, max_new = _dataset(7, seed=4)
+    kw = dict(seed=2, max_new_tokens=max_new, sampling_params=dict(temperature=1.0), stop_tokens=[0])
+    eng = engine.AutoregressiveEngine(target)
+    eng.compile(prompts, dataset_batch=4, **kw)
+    built = len(eng._compiled)
+    asked = []
+
+    def never(*a):
+        asked.append(a)
+        return False
+
+    monkeypatch.setattr(engine, "tail_pays", never)
+    stay = eng.generate_dataset(prompts, batch_size=4, **kw)
+    assert len(eng._compiled) == built  # nothing built for the tail
+    assert stay.raw["stages"] == [(4, stay.raw["iterations"])] and asked
+    for left, round_s, slots, m, build_s in asked:
+        assert slots == 4 and m in (1, 2) and 0 < left <= max(max_new) and round_s > 0 and build_s > 0
+    monkeypatch.setattr(engine, "tail_pays", lambda *a: True)
+    moved = eng.generate_dataset(prompts, batch_size=4, **kw)
+    assert len(moved.raw["stages"]) > 1 and len(eng._compiled) > built
+    assert moved.tokens == stay.tokens == eng.generate_dataset(prompts, batch_size=4, compact=False, **kw).tokens

@@ -4,8 +4,8 @@ in fixed batches and with continuous batching, by the same engines.
 :func:`run_dataset` times, for each setting (``ar``: autoregressive decoding, ``k``: a fixed
 K, ``auto``: k="auto") and mode (``fixed``: ``generate`` on consecutive chunks of
 ``batch`` prompts, rows keyed by their dataset index; ``all``: ``generate_dataset`` with
-every slot to the end; ``tail``: ``generate_dataset`` with the tail compacted, the
-default), with every program compiled first and the timed runs interleaved ``repeats``
+every slot to the end; ``tail``: ``generate_dataset`` with the tail compacted at every
+chance, ``compact=True``), with every program compiled first and the timed runs interleaved ``repeats``
 times (medians). :func:`markdown` renders the table: wall time per generated token, loop
 and slot iterations, tokens per slot iteration against the rows' own tokens per round,
 whether every mode gave the fixed batches' tokens (fixed K and autoregressive decoding
@@ -79,7 +79,9 @@ def run_dataset(spec: DatasetSpec, target, draft, ids: list, stop_tokens: list, 
         t0 = time.perf_counter()
         for c in chunks:
             eng.compile([ids[i] for i in c], row_indices=c, **kw)
-        eng.compile(ids, dataset_batch=b, **kw)  # compact=False runs a subset of these programs
+        # every tail size built ahead (compact=True): "tail" mode moves at every chance and
+        # times decoding, not building (compact=False runs a subset of these programs)
+        eng.compile(ids, dataset_batch=b, compact=True, **kw)
 
         def fixed(eng=eng):
             outs = [eng.generate([ids[i] for i in c], row_indices=c, **kw) for c in chunks]
