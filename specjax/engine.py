@@ -35,6 +35,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import operator
 import os
 import sys
@@ -205,6 +206,22 @@ def tail_pays(rounds_left: int, round_s: float, slots: int, m: int, build_s: flo
     proportion to its rows), and every running row commits at least one token a round, so
     at most ``rounds_left`` rounds (the largest token budget left) remain."""
     return rounds_left * round_s * (1.0 - m / slots) > build_s
+
+
+CALIBRATION_WARMUP_TOKENS = 8  # tokens per row of calibrate's warm-up pass
+CALIBRATION_ROUND_SECONDS = 1.0  # calibrate times each j over about this many seconds of rounds,
+CALIBRATION_MIN_ROUNDS = 8  # and at least this many rounds
+
+
+def calibration_tokens(seconds: float, rounds: int, tokens: int, most: int) -> int:
+    """Tokens per row for a timed calibration pass of a j whose warm-up generated ``tokens``
+    in ``rounds`` rounds taking ``seconds``: enough rounds to fill about
+    ``CALIBRATION_ROUND_SECONDS``, at least ``CALIBRATION_MIN_ROUNDS``, at most ``most``
+    tokens (a round of j commits tokens / rounds tokens a row, as in the warm-up)."""
+    rounds = max(int(rounds), 1)
+    per_round = max(float(seconds), 1e-9) / rounds
+    want = max(CALIBRATION_MIN_ROUNDS, math.ceil(CALIBRATION_ROUND_SECONDS / per_round))
+    return int(min(most, max(1, math.ceil(want * tokens / rounds))))
 
 
 def calibration_sizes(prompt_len: int, new_tokens: int, k: int, limit: Optional[int],
@@ -2031,7 +2048,9 @@ class SpeculativeEngine(_Sharded):
         no stop) with j forced, timed without its prefill, over its number of rounds. Every j
         runs once per pass and the passes repeat (``repeats`` after a warm-up pass), keeping
         each j's fastest time, so that a slow spell of a shared machine does not skew the
-        ratios between j. ``like`` (a prepared batch of that size): run its program (buffer
+        ratios between j. The warm-up generates a few tokens; the timed passes generate as
+        many of the ``new_tokens`` as fill about ``CALIBRATION_ROUND_SECONDS`` with rounds
+        of every j, at least ``CALIBRATION_MIN_ROUNDS`` of each (:func:`calibration_tokens`). ``like`` (a prepared batch of that size): run its program (buffer
         sizes, controls). The rounds are timed as one ``_advance`` of the streamed programs
         (``_start``, ``_advance``, ``_finish``, what a streamed or dataset run of ``like``
         compiles anyway; a whole-generation call compiles them for this). Sets the table
@@ -2044,7 +2063,7 @@ class SpeculativeEngine(_Sharded):
         plen, n = calibration_sizes(min(int(prompt_len), width), int(new_tokens), self.k,
                                     context_limit(self.target), self.proposer.min_prompt_len)
         prompts = rng.integers(0, self.target.vocab_size, (b, plen))
-        timers = []  # per j: a function that runs the generation once -> (seconds of its rounds, rounds)
+        makers = []  # per j: tokens per row -> a function that runs the generation once -> (seconds of its rounds, rounds)
         for j in range(self.k + 1):
             forced = np.full(self.k + 1, np.inf)  # one program, j forced by the cost argument
             forced[j] = 1.0
@@ -2059,38 +2078,58 @@ class SpeculativeEngine(_Sharded):
                     like, prompts=pad, prompt_lens=np.full(b, plen, np.int32), row_keys=batch.row_keys,
                     params=batch.params, max_new=np.full(b, min(n, like.out_cap), np.int32),
                     stop_ids=np.full_like(like.stop_ids, _NO_STOP))
-            args, static = self._call_args(batch, costs=forced)
-            timers.append(self._round_timer(args, static))
+            makers.append(functools.partial(self._sized_timer, batch, forced))
+        # the warm-up pass (first runs of the programs) generates a few tokens per j; its
+        # rounds' cost sizes the timed passes (calibration_tokens), so that a large batch,
+        # whose rounds take tenths of a second, is not timed over as many rounds as a batch
+        # of one row: the same cost per round in a fraction of the time. Every j generates
+        # the same tokens, so that their rounds see the same context lengths.
+        n_warm = min(n, CALIBRATION_WARMUP_TOKENS)
+        warm = [make(n_warm)() for make in makers]
+        n_timed = max(calibration_tokens(dt, rounds, n_warm, n) for dt, rounds in warm)
+        sized = [make(n_timed) for make in makers]
         # every j once per pass, passes repeated, the fastest kept: a slow spell of a shared
         # machine hits all j alike instead of skewing their ratios (the rule reads ratios)
         best = np.full(self.k + 1, np.inf)
-        for rep in range(repeats + 1):  # the first pass warms up
-            for j, timer in enumerate(timers):
+        for _ in range(repeats):
+            for j, timer in enumerate(sized):
                 dt, rounds = timer()
-                if rep:
-                    best[j] = min(best[j], max(dt, 1e-9) / max(rounds, 1))
+                best[j] = min(best[j], max(dt, 1e-9) / max(rounds, 1))
         cost = smooth_costs(best)
         self.set_costs(b, cost)
         if save:
             _save_costs(self.cost_key(b), cost.tolist())
         return cost
 
+    def _sized_timer(self, batch: Batch, forced, tokens: int):
+        """For :meth:`calibrate`: :meth:`_round_timer` of ``batch`` (j forced by ``forced``)
+        with every row generating ``tokens`` tokens: a value, not a shape, so every size
+        runs the same compiled programs. Called with a timer's size: it runs once."""
+        b = batch.size
+        sized = dataclasses.replace(batch, max_new=np.full(b, min(int(tokens), int(batch.max_new.max())), np.int32))
+        return self._round_timer(*self._call_args(sized, costs=forced))
+
     def _round_timer(self, args, static):
         """For :meth:`calibrate`: a function running one generation of ``args`` through the
         streamed programs and returning (seconds of its rounds, its number of rounds): the
-        time of the one ``_advance`` after an untimed ``_start``. (Timing the whole program
-        less a separate run of ``_start`` left the prefill's noise in the difference: cost
-        ratios moved by 20% between calibrations, against 3-5% this way.)"""
+        time of the rounds after an untimed ``_start`` and an untimed first round. (Timing
+        the whole program less a separate run of ``_start`` left the prefill's noise in the
+        difference: cost ratios moved by 20% between calibrations, against 3-5% this way.
+        The first drafting round also runs a deferred draft's pass over the prompt, once
+        per generation: a cost of the rounds' number, not of a round.)"""
         start, advance, finish = self._stream_executables(args, static)
         rest = self._advance_inputs(args)
 
         def timer():
             with self._context():
-                carry = jax.block_until_ready(start(*args))
+                carry = jax.block_until_ready(advance(start(*args), *rest, np.int32(1), np.bool_(False)))
+                first = 1
+                if np.all(jax.device_get(carry.state.done)):  # one round was all: time that one
+                    carry, first = jax.block_until_ready(start(*args)), 0
                 t0 = time.perf_counter()
                 carry = jax.block_until_ready(advance(carry, *rest, np.int32(RUN_TO_THE_END), np.bool_(False)))
                 dt = time.perf_counter() - t0
-                return dt, int(jax.device_get(finish(carry)["iterations"]))
+                return dt, int(jax.device_get(finish(carry)["iterations"])) - first
         return timer
 
     # -- host API ---------------------------------------------------------------------

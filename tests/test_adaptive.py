@@ -258,6 +258,28 @@ def test_measured_costs_are_smoothed_in_j():
     assert engine.smooth_costs([30.0, 20.0, 25.0, 30.0])[1] == 30.0  # never below a plain round
 
 
+def test_calibration_passes_are_sized_by_the_warm_up_rounds():
+    # rounds of 5 ms: a second of them is 200, so the whole 32 tokens; rounds of 0.3 s at
+    # 8 tokens in 6 rounds: the 8-round floor, 11 tokens
+    assert engine.calibration_tokens(0.04, 8, 8, 32) == 32
+    assert engine.calibration_tokens(0.3 * 6, 6, 8, 32) == 8 * 8 // 6 + 1
+    assert engine.calibration_tokens(0.05 * 8, 8, 8, 32) == 20  # 0.05 s a round: 20 rounds
+    assert engine.calibration_tokens(0.0, 0, 8, 32) == 32  # an empty warm-up: all of them
+
+
+def test_calibration_times_the_rounds_after_the_first(target, draft):
+    """The timer leaves out the prefill and the first round (a drafting j's first round
+    also makes a deferred draft's prompt pass, once per generation); a generation of one
+    round is timed over that round."""
+    eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
+    plain = np.array([1.0, np.inf, np.inf])  # j = 0 forced: a token a round
+    for n, tokens, rounds in ((7, 7, 6), (1, 1, 1), (7, 5, 4)):  # (7, 5): a value, the same program
+        batch = eng.prepare([PROMPT] * 2, seed=0, max_new_tokens=n, sampling_params=dict(temperature=1.0))
+        dt, got = eng._sized_timer(batch, plain, tokens)()
+        assert got == rounds and dt > 0, (n, tokens, got)
+    assert sum(sig[0] == "_advance" for sig in eng._compiled) == 1
+
+
 def test_costs_are_measured_once_and_saved(target, draft, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
     eng = engine.SpeculativeEngine(target, DraftModelProposer(draft, K), "token", adaptive=True)
