@@ -589,9 +589,10 @@ def run_generate(a) -> int:
         alphas = [s.mean_alpha for s in spec.stats if not math.isnan(s.mean_alpha)]
         report["speculative"] = {
             "tokens_per_s": n / dt, "seconds": dt, "compile_seconds": t_compile, "new_tokens": n,
-            "acceptance_rate": accepted / drafted if drafted else float("nan"),
-            "tokens_per_round": n / rounds if rounds else float("nan"),
-            "mean_alpha": float(np.mean(alphas)) if alphas else float("nan"),
+            # null where nothing was drafted (k=auto may keep to plain steps): --json stays JSON
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_round": n / rounds if rounds else None,
+            "mean_alpha": float(np.mean(alphas)) if alphas else None,
             "draft": desc["kind"] if desc["spec"] == "default" else desc["spec"],
             "rounds_by_draft_tokens": np.asarray(spec.raw["k_rounds"]).tolist(),
             "branches_entered": int(spec.raw["switches"]),
@@ -643,7 +644,7 @@ def run_generate(a) -> int:
             return 1
 
     if a.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))
         return 0
     for i, text in enumerate([] if report["streamed"] else report["texts"]):
         if len(prompts) > 1:
@@ -678,17 +679,20 @@ def run_generate(a) -> int:
                   f"{s['branches_entered']} branches entered)")
         else:
             ks = f"K={a.k}"
+        tpr = "" if s["tokens_per_round"] is None else f", {s['tokens_per_round']:.2f} tokens/round"
         print(f"[specjax] {a.method} verification, {ks}, draft={s['draft']}: "
-              f"{s['tokens_per_s']:.1f} tokens/s (compiled in {s['compile_seconds']:.1f} s), "
-              f"{s['tokens_per_round']:.2f} tokens/round")
+              f"{s['tokens_per_s']:.1f} tokens/s (compiled in {s['compile_seconds']:.1f} s){tpr}")
         if a.tree_spec is not None:
             r = max(s["rounds"], 1)
             print(f"[specjax] {s['accepted'] / r:.2f} draft tokens accepted per round, from "
                   f"{s['drafted'] / r:.1f} tree nodes per round")
+        elif s["acceptance_rate"] is None:
+            print("[specjax] nothing drafted: every round was a plain decoding step")
         else:
             print(f"[specjax] acceptance {s['acceptance_rate']:.3f}: the share of drafted tokens the target kept")
-            print(f"[specjax] mean alpha {s['mean_alpha']:.3f}: the exact overlap sum_x min(p, q) of draft and "
-                  "target at the verified positions (the acceptance rate to expect)")
+            if s["mean_alpha"] is not None:
+                print(f"[specjax] mean alpha {s['mean_alpha']:.3f}: the exact overlap sum_x min(p, q) of draft "
+                      "and target at the verified positions (the acceptance rate to expect)")
     if "autoregressive" in report:
         print(f"[specjax] autoregressive: {report['autoregressive']['tokens_per_s']:.1f} tokens/s")
     if "speedup" in report:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from specjax import build, cli
@@ -333,7 +334,7 @@ def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, 
 
 
 @pytest.mark.real_model
-def test_prompts_file_is_a_dataset_run(hf_folder, tmp_path, capsys):
+def test_prompts_file_is_a_dataset_run(hf_folder, tmp_path, capsys, monkeypatch):
     """--prompts-file with more prompts than --batch-size: continuous batching, every prompt
     answered in file order; with K=auto the summary says how many tokens rounds drafted."""
     f = tmp_path / "prompts.txt"
@@ -341,10 +342,25 @@ def test_prompts_file_is_a_dataset_run(hf_folder, tmp_path, capsys):
     argv = ["generate", "--prompts-file", str(f), "--model", str(hf_folder), "--draft", "lookup",
             "--batch-size", "2", "--max-new-tokens", "6", "--seed", "3"]
     assert cli.main(argv + ["--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    # strict JSON: no NaN where nothing was drafted (k=auto may keep to plain steps)
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    spec = report["speculative"]
+    assert (spec["acceptance_rate"] is None) == (spec["drafted"] == 0)
     assert report["prompts"] == ["one", "two two", "three three three"] and len(report["texts"]) == 3
     assert report["dataset"] == {"batch_size": 2, "inserts": 1, "loop_iterations": report["dataset"]["loop_iterations"]}
     assert report["k"] == "auto" and sum(report["speculative"]["rounds_by_draft_tokens"]) > 0
     assert report["speculative"]["branches_entered"] >= 2  # one per resume at least (the insert's)
     assert cli.main(argv + ["--no-stream"]) == 0  # the text summary of k=auto (costs saved: no measuring)
-    assert "verification, K=auto (rounds by draft tokens: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verification, K=auto (rounds by draft tokens: " in out and "nan" not in out
+    assert ("nothing drafted: every round was a plain decoding step" in out) == (spec["drafted"] == 0)
+    # costs where drafting never pays: nothing drafted, said so, and null rates in the JSON
+    from specjax import engine
+
+    monkeypatch.setattr(engine.SpeculativeEngine, "costs_for",
+                        lambda self, b, like=None: np.array([1.0] + [np.inf] * self.k))
+    assert cli.main(argv + ["--no-stream"]) == 0
+    assert "nothing drafted: every round was a plain decoding step" in capsys.readouterr().out
+    assert cli.main(argv + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert plain["speculative"]["drafted"] == 0 and plain["speculative"]["acceptance_rate"] is None
