@@ -306,11 +306,19 @@ def test_generation_controls_from_the_command_line(hf_folder, capsys):
 
 
 @pytest.mark.real_model
-def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, monkeypatch):
+@pytest.mark.parametrize("dataset", [False, True])
+def test_compare_compiles_everything_before_the_timed_passes(hf_folder, tmp_path, capsys, monkeypatch, dataset):
     """A streamed --compare run: no program is compiled once the timed passes start (a pass
     that compiled would report a bogus speedup), and none but the streamed ones: the timed
-    passes of both engines reuse the streamed programs (no whole-generation ``_run``)."""
+    passes of both engines reuse the streamed programs (no whole-generation ``_run``).
+    A dataset run likewise, with every tail move found to pay (``tail_pays``): the tail
+    sizes of both engines are built before the passes."""
     from specjax import engine
+
+    if dataset:
+        f = tmp_path / "prompts.txt"
+        f.write_text("one\ntwo two\nthree three three\n")
+        monkeypatch.setattr(engine, "tail_pays", lambda *a: True)
 
     events = []
     monkeypatch.setattr(cli, "_progress", lambda msg: events.append(("progress", msg)))
@@ -324,8 +332,12 @@ def test_compare_compiles_everything_before_the_timed_passes(hf_folder, capsys, 
         return exe
 
     monkeypatch.setattr(engine._Sharded, "_executable", executable)
-    assert cli.main(["generate", "hi", "--model", str(hf_folder), "--max-new-tokens", "8",
-                     "--compare", "--repeats", "2", "--k", "2"]) == 0
+    if dataset:
+        argv = ["generate", "--prompts-file", str(f), "--batch-size", "2", "--draft", "lookup"]
+    else:
+        argv = ["generate", "hi"]
+    assert cli.main(argv + ["--model", str(hf_folder), "--max-new-tokens", "8",
+                            "--compare", "--repeats", "2", "--k", "2"]) == 0
     assert "speedup over autoregressive" in capsys.readouterr().out
     first_pass = events.index(("progress", "timing pass 1/2"))
     assert ("compiled", "_advance") in events[:first_pass]  # the streamed generation
