@@ -979,7 +979,7 @@ class _Sharded:
         largest first: ``compact="auto"`` or True b // 2, b // 4, ..., 1; a sequence: those
         sizes below b; False: none. An adaptive engine without a cost table at a size borrows
         one (:meth:`_opts_at`)."""
-        if compact is True or (isinstance(compact, str) and compact == "auto"):
+        if compact is True or _auto_compact(compact):
             sizes, s = [], b // 2
             while s >= 1:
                 sizes.append(s)
@@ -2045,12 +2045,13 @@ class SpeculativeEngine(_Sharded):
                   new_tokens: int = 32, repeats: int = 4, save: bool = True) -> np.ndarray:
         """Measure the cost (seconds) of a round that drafts j = 0..K tokens at
         ``batch_size``: a generation of ``new_tokens`` tokens per row (random prompts, T=1,
-        no stop) with j forced, timed without its prefill, over its number of rounds. Every j
+        no stop) with j forced, timed without its prefill and first round, over its rounds. Every j
         runs once per pass and the passes repeat (``repeats`` after a warm-up pass), keeping
         each j's fastest time, so that a slow spell of a shared machine does not skew the
         ratios between j. The warm-up generates a few tokens; the timed passes generate as
         many of the ``new_tokens`` as fill about ``CALIBRATION_ROUND_SECONDS`` with rounds
-        of every j, at least ``CALIBRATION_MIN_ROUNDS`` of each (:func:`calibration_tokens`). ``like`` (a prepared batch of that size): run its program (buffer
+        of every j, at least ``CALIBRATION_MIN_ROUNDS`` of each (:func:`calibration_tokens`).
+        ``like`` (a prepared batch of that size): run its program (buffer
         sizes, controls). The rounds are timed as one ``_advance`` of the streamed programs
         (``_start``, ``_advance``, ``_finish``, what a streamed or dataset run of ``like``
         compiles anyway; a whole-generation call compiles them for this). Sets the table
@@ -2063,7 +2064,8 @@ class SpeculativeEngine(_Sharded):
         plen, n = calibration_sizes(min(int(prompt_len), width), int(new_tokens), self.k,
                                     context_limit(self.target), self.proposer.min_prompt_len)
         prompts = rng.integers(0, self.target.vocab_size, (b, plen))
-        makers = []  # per j: tokens per row -> a function that runs the generation once -> (seconds of its rounds, rounds)
+        # per j: tokens per row -> a timer (runs the generation once -> (seconds of its rounds, rounds))
+        makers = []
         for j in range(self.k + 1):
             forced = np.full(self.k + 1, np.inf)  # one program, j forced by the cost argument
             forced[j] = 1.0
@@ -2103,8 +2105,9 @@ class SpeculativeEngine(_Sharded):
 
     def _sized_timer(self, batch: Batch, forced, tokens: int):
         """For :meth:`calibrate`: :meth:`_round_timer` of ``batch`` (j forced by ``forced``)
-        with every row generating ``tokens`` tokens: a value, not a shape, so every size
-        runs the same compiled programs. Called with a timer's size: it runs once."""
+        with every row generating ``tokens`` tokens: a value, not a shape, so every number
+        of tokens runs the same compiled programs. Each call of the timer runs the
+        generation once."""
         b = batch.size
         sized = dataclasses.replace(batch, max_new=np.full(b, min(int(tokens), int(batch.max_new.max())), np.int32))
         return self._round_timer(*self._call_args(sized, costs=forced))
