@@ -1046,8 +1046,8 @@ class _Sharded:
         return sig, args, static
 
     def _tail_built(self, full: Batch, big, m: int, static_opts: dict) -> bool:
-        """Whether :meth:`_tail_executables` has the programs of this move already."""
-        big = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), big)
+        """Whether :meth:`_tail_executables` has the programs of this move already (``big``:
+        the loop state itself; its signature reads only shapes and dtypes)."""
         return self._tail_sig(full, big, m, static_opts)[0] in self._compiled
 
     def _compile_tail(self, full: Batch, b: int, carry, static_opts: dict, tail: list) -> None:
@@ -1170,8 +1170,9 @@ class _Sharded:
                     if fits and when_pays:
                         left = max(int(full.max_new[slots[s]]) - int(host["gen_len"][s]) for s in running)
                         round_s = run_s / max(int(now) - stage_start, 1)
-                        fits = [m for m in fits if self._tail_built(full, carry, m, static_opts)
-                                or tail_pays(left, round_s, len(slots), m, build_s)]
+                        # (the arithmetic first: the lookup prepares the size's arguments)
+                        fits = [m for m in fits if tail_pays(left, round_s, len(slots), m, build_s)
+                                or self._tail_built(full, carry, m, static_opts)]
                     if fits:  # the tail: move the running rows to fewer slots
                         m = min(fits)
                         idle = [s for s in range(len(slots)) if slots[s] is None]
